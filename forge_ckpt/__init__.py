@@ -1,0 +1,47 @@
+"""forge_ckpt: one atomic checkpoint step for a distributed RL job on Ray.
+
+The trainer's DCP shards (through TorchTitan's CheckpointManager) and every registered actor's
+state go into one `step-N/` folder, made visible by a commit marker written last.
+"""
+
+__version__ = "0.1.0"
+
+from .actor import Checkpointable  # noqa: E402
+from .config import CheckpointConfig  # noqa: E402
+from .coordinator import CheckpointCoordinator, LoadResult, SaveResult  # noqa: E402
+from .errors import (  # noqa: E402
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointLockedError,
+    CheckpointMismatchError,
+    CheckpointSaveError,
+    InvalidNameError,
+    NotSerializableError,
+)
+
+__all__ = [
+    "CheckpointConfig",
+    "CheckpointCoordinator",
+    "CheckpointCorruptError",
+    "CheckpointError",
+    "CheckpointLockedError",
+    "CheckpointMismatchError",
+    "CheckpointSaveError",
+    "Checkpointable",
+    "InvalidNameError",
+    "LoadResult",
+    "NotSerializableError",
+    "SaveResult",
+    "TrainerCheckpointer",
+    "TrainerMixin",
+    "spawn_trainer_ranks",
+]
+
+
+def __getattr__(name: str):
+    # The trainer integration imports torchtitan (seconds); only pay for it when used.
+    if name in ("TrainerCheckpointer", "TrainerMixin", "spawn_trainer_ranks"):
+        from . import trainer
+
+        return getattr(trainer, name)
+    raise AttributeError(name)

@@ -1,0 +1,112 @@
+"""`Checkpointable`: the mixin that lets a Ray actor save and restore its own state.
+
+The actor writes its own file straight into the step folder, so large state (a replay buffer)
+never funnels through the driver and all actors write in parallel. The saved state is the
+user's `state_dict()` plus every RNG stream of the actor process (`forge_ckpt.rng`).
+
+Save is two-phase so that a save can run in the background: `forge_begin_save` takes the
+snapshot (an in-memory copy: the consistent cut) and, in sync mode, also writes it;
+`forge_save_status` reports the written file once it is durable. Load is two-phase too:
+`forge_prepare_load` reads, verifies and decodes (and calls `validate_state_dict`), and only
+when every component has prepared does `forge_apply_load` change the actor, so a corrupt or
+mismatched checkpoint never leaves some actors restored and others not.
+
+The mixin's methods are synchronous on purpose: one `async def` method would turn the whole
+actor into an async actor whose calls interleave. Async actors register as plain actors
+(their `state_dict`/`load_state_dict` may be `async def`); the coordinator then does the I/O.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any
+
+from . import rng, serialization
+from .storage import FileRecord
+
+STATE_FORMAT = 1
+
+
+def wrap_state(state: Any, rng_state: Any = None) -> dict[str, Any]:
+    """The content of an actor file: the user's state and, for Checkpointable actors, RNG."""
+    return {"format": STATE_FORMAT, "state": state, "rng": rng_state}
+
+
+class BackgroundWrite:
+    """A snapshot being written by a thread; `status()` polls without blocking the actor."""
+
+    def __init__(self, snap: serialization.Snapshot, path: str, relpath: str, background: bool):
+        self._result: FileRecord | None = None
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        args = (snap, path, relpath)
+        if background:
+            self._thread = threading.Thread(target=self._run, args=args, daemon=True)
+            self._thread.start()
+        else:
+            self._run(*args)
+            if self._error is not None:
+                raise self._error
+
+    def _run(self, snap: serialization.Snapshot, path: str, relpath: str) -> None:
+        try:
+            self._result = snap.write(path, relpath)
+        except BaseException as e:  # reported by status(), never dropped
+            self._error = e
+
+    def status(self) -> list[dict] | None:
+        if self._thread is not None and self._thread.is_alive():
+            return None
+        if self._error is not None:
+            raise self._error
+        assert self._result is not None
+        return [self._result.to_dict()]
+
+
+class Checkpointable:
+    """Mixin for Ray actor classes that define `state_dict()` and `load_state_dict(state)`.
+
+    Optional hooks: `rng_generators()` names the generator objects the actor owns;
+    `validate_state_dict(state)` refuses a checkpoint (raise `CheckpointMismatchError`) before
+    anything is loaded.
+    """
+
+    def rng_generators(self) -> dict[str, rng.Generator]:
+        return {}
+
+    def validate_state_dict(self, state: Any) -> None:
+        return None
+
+    def forge_begin_save(self, step_dir: str, relpath: str, background: bool) -> int:
+        """Snapshot now; write now (sync) or in a thread (background). Returns snapshot bytes."""
+        state = wrap_state(self.state_dict(), rng.capture(self.rng_generators()))
+        name = f"{type(self).__name__}[{relpath}]"
+        # copy=False is safe in sync mode: the actor runs nothing else until the write ends.
+        snap = serialization.snapshot(state, name=name, copy=background)
+        self._forge_write = BackgroundWrite(
+            snap, os.path.join(step_dir, relpath), relpath, background
+        )
+        return snap.nbytes
+
+    def forge_save_status(self) -> list[dict] | None:
+        return self._forge_write.status()
+
+    def forge_prepare_load(
+        self, step_dir: str, records: list[dict], verify: bool, options: dict
+    ) -> None:
+        (record,) = (FileRecord.from_dict(r) for r in records)
+        path = os.path.join(step_dir, record.path)
+        data = serialization.load(path, record if verify else None)
+        self.validate_state_dict(data["state"])
+        self._forge_staged = data
+
+    def forge_apply_load(self) -> None:
+        data = self._forge_staged
+        self._forge_staged = None
+        self.load_state_dict(data["state"])
+        if data.get("rng") is not None:
+            rng.restore(data["rng"], self.rng_generators())
+
+    def forge_abort_load(self) -> None:
+        self._forge_staged = None

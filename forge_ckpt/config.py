@@ -1,0 +1,68 @@
+"""`CheckpointConfig`: every knob of the coordinator, loadable from a YAML file in `configs/`."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import yaml
+
+from .commit import RetentionPolicy
+
+
+@dataclass
+class CheckpointConfig:
+    """How and where a job checkpoints.
+
+    folder: where `step-N/` folders go (one job per folder: it is locked).
+    keep_last / keep_every: retention; `keep_last=None` keeps everything.
+    async_mode: "sync" blocks `save()` until the commit; "async" returns once every component
+        holds an in-memory snapshot and persists in the background.
+    save_timeout_s / load_timeout_s: a component that takes longer is treated as failed.
+    verify_on_load: check every file's crc32c before anything is loaded (DCP's `.metadata` is
+        a pickle: never open one that does not match the manifest).
+    fallback: on a corrupt newest step, load the newest intact committed one instead.
+    fingerprint: identifies the run (a hash of its config); a folder from another run is
+        refused on load.
+    """
+
+    folder: str
+    keep_last: int | None = 3
+    keep_every: int | None = None
+    async_mode: Literal["sync", "async"] = "sync"
+    save_timeout_s: float = 600.0
+    load_timeout_s: float = 600.0
+    verify_on_load: bool = True
+    fallback: bool = False
+    fingerprint: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.async_mode not in ("sync", "async"):
+            raise ValueError(f"async_mode must be 'sync' or 'async', got {self.async_mode!r}")
+        if self.keep_last is not None and self.keep_last < 1:
+            raise ValueError(f"keep_last must be >= 1 or None, got {self.keep_last}")
+        if self.keep_every is not None and self.keep_every < 1:
+            raise ValueError(f"keep_every must be >= 1 or None, got {self.keep_every}")
+        if self.save_timeout_s <= 0 or self.load_timeout_s <= 0:
+            raise ValueError("timeouts must be positive")
+
+    @property
+    def retention(self) -> RetentionPolicy:
+        return RetentionPolicy(keep_last=self.keep_last, keep_every=self.keep_every)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> CheckpointConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown checkpoint config keys: {unknown}; known: {sorted(known)}")
+        return cls(**d)
+
+    @classmethod
+    def from_file(cls, path: str, **overrides: Any) -> CheckpointConfig:
+        """Load from YAML; the file may hold the keys at top level or under `checkpoint:`."""
+        with open(path) as f:
+            d = yaml.safe_load(f) or {}
+        d = d.get("checkpoint", d)
+        return cls.from_dict({**d, **overrides})
