@@ -73,11 +73,16 @@ class CheckpointCoordinator:
         ranks = list(trainer) if isinstance(trainer, (list, tuple)) else [trainer]
         self._trainer = [make_unit(layout.TRAINER, r, h, "") for r, h in enumerate(ranks)]
 
-    def register(self, name: str, actor: Any | Sequence[Any]) -> None:
-        """An actor with state_dict/load_state_dict; a list registers replicas (kept apart)."""
+    def register(self, name: str, actor: Any | Sequence[Any], replace: bool = False) -> None:
+        """An actor with state_dict/load_state_dict; a list registers replicas (kept apart).
+
+        `replace=True` swaps in a restarted actor under a name already registered."""
         layout.check_name(name)
-        if name in self._actors:
-            raise ValueError(f"a component named {name!r} is already registered")
+        if name in self._actors and not replace:
+            raise ValueError(
+                f"a component named {name!r} is already registered; pass replace=True to swap "
+                "in a restarted actor"
+            )
         handles = list(actor) if isinstance(actor, (list, tuple)) else [actor]
         if not handles:
             raise ValueError(f"register({name!r}, []) needs at least one actor")
@@ -102,12 +107,15 @@ class CheckpointCoordinator:
             return SaveResult(step, layout.step_dir(self.config.folder, step), committed=True)
         background = self.config.async_mode == "async"
         start = time.perf_counter()
-        path = await asyncio.to_thread(commit.prepare_step, self.config.folder, step)
+        try:
+            path = await asyncio.to_thread(commit.prepare_step, self.config.folder, step)
+        except OSError as e:
+            raise self._save_error(step, [f"creating the step folder: {_describe(e)}"]) from e
         units = [u for us in self._components().values() for u in us]
         try:
             nbytes = await self._all(units, lambda u: u.begin(path, background), step, "snapshot")
         except BaseException:
-            await asyncio.to_thread(commit.remove_step, path)
+            await _discard(path)
             raise
         result = SaveResult(step, path, sum(nbytes), blocked_s=time.perf_counter() - start)
         finish = self._finish_save(result, units, start, extra)
@@ -124,8 +132,10 @@ class CheckpointCoordinator:
             records = await self._persisted(units, result, start)
             manifest = self._manifest(result.step, records, result.seconds, extra)
             await asyncio.to_thread(commit.commit_step, result.path, manifest)
-        except BaseException:
-            await asyncio.to_thread(commit.remove_step, result.path)
+        except BaseException as e:
+            await _discard(result.path)
+            if isinstance(e, (OSError, ValueError)):
+                raise self._save_error(result.step, [f"commit: {_describe(e)}"]) from e
             raise
         result.nbytes = manifest.nbytes
         result.total_s = time.perf_counter() - start
@@ -359,6 +369,19 @@ class CheckpointCoordinator:
                 await self.wait()
         finally:
             self.close()
+
+
+async def _discard(path: str) -> None:
+    """Remove an aborted step's files; a failure here must not hide the save's own error."""
+    try:
+        await asyncio.to_thread(commit.remove_step, path)
+    except OSError as e:
+        log.warning(
+            "could not remove aborted step %s (%s); it is not committed and will be "
+            "removed at the next start",
+            path,
+            e,
+        )
 
 
 def _unwrap(e: BaseException) -> BaseException:

@@ -12,7 +12,7 @@ import errno
 import os
 from dataclasses import dataclass
 
-import google_crc32c
+import crc32c as _crc32c
 
 CHUNK = 64 * 1024 * 1024  # large sequential writes; small enough to keep a bounded read buffer
 
@@ -75,7 +75,7 @@ class ChecksummedWriter:
         mv = memoryview(data).cast("B")
         for start in range(0, len(mv), CHUNK):
             chunk = mv[start : start + CHUNK]
-            self._crc = google_crc32c.extend(self._crc, chunk)
+            self._crc = _crc32c.crc32c(chunk, self._crc)
             _fault("write")
             view = chunk
             while len(view):
@@ -138,7 +138,7 @@ def atomic_write(path: str, data: bytes) -> str:
 
 
 def crc32c_of_bytes(data) -> str:
-    return f"{google_crc32c.extend(0, memoryview(data).cast('B')):08x}"
+    return f"{_crc32c.crc32c(memoryview(data).cast('B')):08x}"
 
 
 def read_verified(path: str, expected: FileRecord | None = None) -> bytearray:
@@ -166,7 +166,7 @@ def read_verified(path: str, expected: FileRecord | None = None) -> bytearray:
             n = f.readinto(mv[pos : pos + CHUNK])
             if not n:
                 raise CheckpointCorruptError(path, f"file ended after {pos} of {size} bytes")
-            crc = google_crc32c.extend(crc, mv[pos : pos + n])
+            crc = _crc32c.crc32c(mv[pos : pos + n], crc)
             pos += n
     if expected is not None and f"{crc:08x}" != expected.crc32c:
         raise CheckpointCorruptError(
@@ -186,7 +186,7 @@ def checksum_file(path: str) -> FileRecord:
             n = f.readinto(mv)
             if not n:
                 break
-            crc = google_crc32c.extend(crc, mv[:n])
+            crc = _crc32c.crc32c(mv[:n], crc)
             size += n
     return FileRecord(path=path, size=size, crc32c=f"{crc:08x}")
 
