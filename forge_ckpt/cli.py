@@ -14,6 +14,7 @@ from typing import Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 from rich.tree import Tree
 
@@ -23,7 +24,7 @@ from .lock import FolderLock
 from .storage import verify_file
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__.split("\n\n")[0])
-console = Console()
+console = Console(soft_wrap=True)  # paths and messages stay on one line, greppable
 
 
 def _size(path: str) -> int:
@@ -59,7 +60,7 @@ def verify(step_folder: str) -> None:
     try:
         manifest = layout.read_committed(step_folder)
     except CheckpointCorruptError as e:
-        console.print(f"[red]FAIL[/] {e}")
+        console.print(f"[red]FAIL[/] {escape(str(e))}")
         raise typer.Exit(1) from None
     bad = 0
     for rec in manifest.files:
@@ -68,7 +69,7 @@ def verify(step_folder: str) -> None:
             console.print(f"[green]ok[/]   {rec.path} ({_mb(rec.size)}, crc32c {rec.crc32c})")
         except CheckpointCorruptError as e:
             bad += 1
-            console.print(f"[red]FAIL[/] {rec.path}: {e.problem}")
+            console.print(f"[red]FAIL[/] {escape(rec.path)}: {escape(e.problem)}")
     summary = f"{len(manifest.files) - bad} of {len(manifest.files)} files intact"
     console.print(summary if not bad else f"[red]{summary}")
     if bad:
@@ -83,7 +84,7 @@ def inspect(step_folder: str) -> None:
     try:
         manifest = layout.read_committed(step_folder)
     except CheckpointCorruptError as e:
-        console.print(f"[red]{e}")
+        console.print(f"[red]{escape(str(e))}")
         raise typer.Exit(1) from None
     console.print(
         f"step {manifest.step}  format v{manifest.format_version}  "
@@ -104,7 +105,7 @@ def inspect(step_folder: str) -> None:
                     verify_file(full, rec)  # a pickle: only opened once it matches the manifest
                     _dcp_tree(leaf, step_folder)
             except CheckpointError as e:
-                leaf.add(f"[red]{e}")
+                leaf.add(f"[red]{escape(str(e))}")
     console.print(root)
 
 
@@ -147,7 +148,7 @@ def gc(folder: str) -> None:
     try:
         lock.acquire()
     except CheckpointError as e:
-        console.print(f"[red]{e}")
+        console.print(f"[red]{escape(str(e))}")
         raise typer.Exit(1) from None
     try:
         removed = commit.remove_uncommitted(folder)

@@ -30,7 +30,7 @@ def prepare_step(folder: str, step: int) -> str:
     """
     path = layout.step_dir(folder, step)
     if os.path.exists(path):
-        if layout.is_committed(folder, step):
+        if step in layout.marked_steps(folder):
             raise CheckpointSaveError(
                 f"step {step} is already committed at {path}; save a different step number"
             )
@@ -96,9 +96,11 @@ def apply_retention(folder: str, policy: RetentionPolicy) -> list[int]:
 
 
 def remove_uncommitted(folder: str) -> list[int]:
-    """Remove leftovers of crashed saves. Call only while holding the folder lock."""
-    committed = set(layout.committed_steps(folder))
-    leftovers = [s for s in layout.all_steps(folder) if s not in committed]
+    """Remove leftovers of crashed saves (steps without a COMMIT file). Call only while
+    holding the folder lock. Committed steps whose marker or manifest is damaged stay: they
+    are reported by load() and `forge-ckpt verify`, not silently deleted."""
+    marked = set(layout.marked_steps(folder))
+    leftovers = [s for s in layout.all_steps(folder) if s not in marked]
     for step in leftovers:
         remove_step(layout.step_dir(folder, step))
         log.warning("removed uncommitted leftover step-%d (a save that never committed)", step)

@@ -110,6 +110,7 @@ class CheckpointCoordinator:
         try:
             path = await asyncio.to_thread(commit.prepare_step, self.config.folder, step)
         except OSError as e:
+            await _discard(layout.step_dir(self.config.folder, step))
             raise self._save_error(step, [f"creating the step folder: {_describe(e)}"]) from e
         units = [u for us in self._components().values() for u in us]
         try:
@@ -210,13 +211,13 @@ class CheckpointCoordinator:
         """
         await self.wait()
         exclude = set(exclude)
-        committed = self.steps()
-        if step is not None and step not in committed:
+        marked = layout.marked_steps(self.config.folder)  # damaged ones are reported, not skipped
+        if step is not None and step not in marked:
             raise CheckpointError(
                 f"step {step} is not a committed step in {self.config.folder}; "
-                f"committed steps: {committed or 'none'}"
+                f"committed steps: {self.steps() or 'none'}"
             )
-        candidates = [step] if step is not None else committed[::-1]
+        candidates = [step] if step is not None else marked[::-1]
         if not self.config.fallback:
             candidates = candidates[:1]
         for n, candidate in enumerate(candidates):

@@ -189,6 +189,18 @@ def all_steps(folder: str) -> list[int]:
     return sorted(s for s in steps if s is not None)
 
 
+def marked_steps(folder: str) -> list[int]:
+    """Steps whose folder holds a COMMIT file, valid or not, ascending.
+
+    A crash can never leave a partial COMMIT (it is renamed into place), so a step with a
+    marker was committed once: if its marker or manifest no longer checks out, it is a damaged
+    committed step, kept for inspection and reported on load, never silently removed.
+    """
+    return [
+        s for s in all_steps(folder) if os.path.exists(os.path.join(step_dir(folder, s), MARKER))
+    ]
+
+
 def is_committed(folder: str, step: int) -> bool:
     try:
         read_committed(step_dir(folder, step))
