@@ -1,0 +1,95 @@
+"""A driver that saves step 1, then is SIGKILLed at one phase of saving step 2.
+
+Run by tests/test_crash.py as `python crash_child.py RAY_ADDRESS FOLDER PHASE TRAINER_RANKS`.
+It joins the test's Ray cluster, so the actors it owns die with it, like a preempted job's.
+The kill points are set by wrapping forge_ckpt's own functions in this process only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sys
+
+import ray
+
+sys.path.insert(0, os.path.dirname(__file__))
+from crash_actors import Sampler, make_trainer_ranks  # noqa: E402
+
+from forge_ckpt import CheckpointConfig, CheckpointCoordinator, commit  # noqa: E402
+from forge_ckpt import components as comp_mod  # noqa: E402
+
+
+def die() -> None:
+    sys.stdout.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def install(phase: str) -> None:
+    real_begin, real_status = comp_mod.RemoteUnit.begin, comp_mod.RemoteUnit.status
+    real_atomic, real_rmtree = commit.atomic_write, commit.shutil.rmtree
+    seen_files: list[str] = []
+
+    async def begin(self, step_dir, background):
+        if phase == "before_trainer_write" and self.name == "trainer":
+            die()
+        return await real_begin(self, step_dir, background)
+
+    async def status(self):
+        recs = await real_status(self)
+        if recs is not None:
+            if phase == "after_trainer_write" and self.name == "trainer":
+                die()
+            seen_files.extend(r.path for r in recs)
+            if phase == "after_first_actor_file" and any(
+                p.startswith("actors/") for p in seen_files
+            ):
+                die()
+        return recs
+
+    def atomic_write(path, data):
+        if phase == "before_marker" and path.endswith("COMMIT"):
+            die()
+        crc = real_atomic(path, data)
+        if phase == "after_marker" and path.endswith("COMMIT"):
+            die()
+        return crc
+
+    def rmtree(path, *a, **k):  # retention: the marker of the old step is already gone
+        if phase == "during_retention" and os.path.basename(path) == "step-1":
+            die()
+        return real_rmtree(path, *a, **k)
+
+    comp_mod.RemoteUnit.begin, comp_mod.RemoteUnit.status = begin, status
+    commit.atomic_write, commit.shutil.rmtree = atomic_write, rmtree
+
+
+async def main(folder: str, phase: str, ranks: int) -> None:
+    coord = CheckpointCoordinator(CheckpointConfig(folder=folder, keep_last=1))
+    samplers = [Sampler.remote(s) for s in (1, 2, 3)]
+    coord.register("sampler", samplers[0])
+    coord.register("buffer", samplers[1:])
+    trainer = make_trainer_ranks(ranks) if ranks else []
+    if trainer:
+        coord.set_trainer(trainer)
+    for step in (1, 2):
+        await asyncio.gather(*(s.step.remote() for s in samplers))
+        await asyncio.gather(*(t.train_step.remote() for t in trainer))
+        if step == 2:
+            install(phase)
+        await coord.save(step)
+        states = {
+            "samplers": [await s.get_history.remote() for s in samplers],
+            "trainer": [await t.fingerprint.remote() for t in trainer],
+        }
+        with open(os.path.join(folder, f"expected-{step}.json"), "w") as f:
+            json.dump(states, f)
+        print(f"committed {step}", flush=True)
+    print("finished without being killed", flush=True)
+
+
+if __name__ == "__main__":
+    ray.init(address=sys.argv[1])
+    asyncio.run(main(sys.argv[2], sys.argv[3], int(sys.argv[4])))
