@@ -25,6 +25,8 @@ from .storage import verify_file
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__.split("\n\n")[0])
 console = Console(soft_wrap=True)  # paths and messages stay on one line, greppable
+if not console.is_terminal:  # piped or captured: wide tables rather than wrapped cells
+    console.width = 200
 
 
 def _size(path: str) -> int:

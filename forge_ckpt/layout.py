@@ -156,7 +156,7 @@ def read_committed(path: str) -> Manifest:
         want_crc, want_step = str(marker["manifest_crc32c"]), int(marker["step"])
     except FileNotFoundError:
         raise CheckpointCorruptError(
-            marker_path, "no commit marker: this step was never committed", "it cannot be loaded"
+            marker_path, "no commit marker: this step was never committed", "It cannot be loaded."
         ) from None
     except (ValueError, KeyError, TypeError):
         raise CheckpointCorruptError(marker_path, "commit marker is not valid") from None
