@@ -102,7 +102,12 @@ def remove_uncommitted(folder: str) -> list[int]:
     marked = set(layout.marked_steps(folder))
     leftovers = [s for s in layout.all_steps(folder) if s not in marked]
     for step in leftovers:
-        remove_step(layout.step_dir(folder, step))
+        path = layout.step_dir(folder, step)
+        try:
+            remove_step(path)
+        except OSError as e:  # it has no marker: harmless for load; a save of N says so
+            log.warning("could not remove uncommitted leftover %s: %s", path, e)
+            continue
         log.warning("removed uncommitted leftover step-%d (a save that never committed)", step)
     for name in os.listdir(folder) if os.path.isdir(folder) else []:
         if ".tmp." in name:

@@ -58,10 +58,20 @@ class CheckpointCoordinator:
 
     def __init__(self, config: CheckpointConfig) -> None:
         self.config = config
-        os.makedirs(config.folder, exist_ok=True)
         self._lock = FolderLock(config.folder)
-        self._lock.acquire()
-        commit.remove_uncommitted(config.folder)
+        try:
+            os.makedirs(config.folder, exist_ok=True)
+            self._lock.acquire()
+            commit.remove_uncommitted(config.folder)
+        except OSError as e:
+            self._lock.release()
+            raise CheckpointError(
+                f"cannot open checkpoint folder {config.folder}: {e}. The folder must be "
+                "writable by this job (it takes a lock and removes crash leftovers)"
+            ) from e
+        except BaseException:
+            self._lock.release()
+            raise
         self._trainer: list[Unit] = []
         self._actors: dict[str, list[Unit]] = {}
         self._pending: asyncio.Task | None = None
