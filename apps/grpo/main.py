@@ -1,0 +1,297 @@
+"""GRPO on Ray with exact resume: `python -m apps.grpo.main --config configs/grpo.yaml [k=v ...]`.
+
+One step: dataset batch -> policy samples a group of completions per prompt -> reward ->
+group-normalised advantages -> replay buffer (add, evict stale, sample) -> every trainer rank
+trains on the sample -> new weights to the policy -> one line in metrics.jsonl -> every
+`checkpoint.interval` steps a checkpoint of the trainer and every actor, committed atomically.
+
+Running the same command again resumes from the newest committed step and, from there, computes
+exactly what the uninterrupted run computes; `fresh=true` starts over. SIGTERM finishes the
+current step, commits a checkpoint at it and exits 0.
+
+The consistent cut: every actor call of a step is awaited before `coord.save`, so each actor's
+snapshot holds the state after that step and nothing later.
+
+Overlap (`overlap=true`): the rollout for step N+1 is generated (by the weights of step N-1)
+while step N trains. At a checkpoint the in-flight generation is drained (awaited), and the
+rollout it produced stays inside the Policy actor (`Policy.pending`), whose state is saved: a
+resumed run trains step N+1 on that very rollout instead of generating a new one. The dataset
+cursor in the same checkpoint already counts that rollout's prompts, so nothing is skipped or
+repeated. The last step launches the next rollout too, so a run resumed with more `steps`
+matches one that ran them all at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import shutil
+import signal
+import sys
+import time
+from typing import Any
+
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # Ray on 127.0.0.1 only
+
+import ray  # noqa: E402
+
+from forge_ckpt import (  # noqa: E402
+    CheckpointConfig,
+    CheckpointCoordinator,
+    CheckpointError,
+    CheckpointMismatchError,
+)
+
+from .config import ConfigError, fingerprint, load_config  # noqa: E402
+from .metrics import MetricsLog  # noqa: E402
+from .progress import Progress, summary  # noqa: E402
+from .rl import group_advantages  # noqa: E402
+
+CHECKPOINTS, METRICS, FINAL_WEIGHTS = "checkpoints", "metrics.jsonl", "final_weights.safetensors"
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m apps.grpo.main",
+        description="GRPO on Ray with exact resume from forge_ckpt checkpoints.",
+    )
+    parser.add_argument("--config", required=True, help="YAML config, e.g. configs/grpo.yaml")
+    parser.add_argument(
+        "overrides", nargs="*", metavar="key=value", help="dotted overrides: steps=50 seed=1"
+    )
+    return parser.parse_args(argv)
+
+
+def start_ray(cfg: dict[str, Any]) -> None:
+    env = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "OMP_NUM_THREADS": "1"}
+    ray.init(
+        address="local",
+        num_cpus=int(cfg["ray"]["num_cpus"]),
+        include_dashboard=False,
+        object_store_memory=int(cfg["ray"]["object_store_mb"]) * 1024**2,
+        runtime_env={"env_vars": env},
+        log_to_driver=True,
+        logging_level="WARNING",
+    )
+
+
+class Job:
+    """The actors of one run; all use 0 CPUs in Ray's accounting (each runs one torch thread)."""
+
+    def __init__(self, cfg: dict[str, Any]) -> None:
+        from forge_ckpt import spawn_trainer_ranks
+
+        from .actors import Policy, ReplayBuffer, RewardActor
+        from .data import DatasetActor
+        from .trainer import Trainer
+
+        seed, task, model = int(cfg["seed"]), cfg["task"], cfg["model"]
+        opts = {"num_cpus": 0}
+        batch = int(cfg["dataset"]["batch_size"])
+        self.dataset = (
+            ray.remote(DatasetActor).options(**opts).remote(seed, task, cfg["dataset"], batch)
+        )
+        self.policy = ray.remote(Policy).options(**opts).remote(seed, task, model, cfg["policy"])
+        self.reward = ray.remote(RewardActor).options(**opts).remote(seed)
+        self.replay = ray.remote(ReplayBuffer).options(**opts).remote(seed, cfg["replay"], task)
+        trainer_cfg = {**cfg["trainer"], "temperature": cfg["policy"]["temperature"]}
+        self.ranks = spawn_trainer_ranks(
+            ray.remote(Trainer).options(**opts),
+            int(cfg["trainer"]["world_size"]),
+            seed,
+            task,
+            model,
+            trainer_cfg,
+        )
+        ray.get([r.setup.remote() for r in self.ranks])
+
+    def register(self, coord: CheckpointCoordinator) -> None:
+        coord.set_trainer(self.ranks)
+        coord.register("dataset", self.dataset)
+        coord.register("policy", self.policy)
+        coord.register("reward", self.reward)
+        coord.register("replay", self.replay)
+
+    async def push_weights(self) -> int:
+        """Send rank 0's weights and version to the policy (the ref never visits the driver)."""
+        version = await self.ranks[0].version.remote()
+        await self.policy.update_weights.remote(self.ranks[0].get_weights.remote(), version)
+        return version
+
+
+class Rollouts:
+    """Launches generation and hands out rollouts; with overlap, one generation runs ahead."""
+
+    def __init__(self, job: Job, overlap: bool) -> None:
+        self.job, self.overlap = job, overlap
+        self.inflight: ray.ObjectRef | None = None
+
+    def launch(self) -> None:
+        self.inflight = self.job.policy.generate.remote(self.job.dataset.next_batch.remote())
+
+    async def drain(self) -> None:
+        """Await the in-flight generation; its rollout then sits in the Policy's state."""
+        if self.inflight is not None:
+            inflight, self.inflight = self.inflight, None
+            await inflight
+
+    async def next(self) -> dict[str, Any]:
+        """The rollout to train on now (resumed from the Policy's state if it holds one)."""
+        await self.drain()
+        if not await self.job.policy.has_pending.remote():
+            self.launch()
+            await self.drain()
+        rollout = await self.job.policy.take_rollout.remote()
+        if self.overlap:
+            self.launch()  # runs while this step trains
+        return rollout
+
+
+async def train_step(job: Job, rollouts: Rollouts, cfg: dict[str, Any], step: int) -> dict:
+    rollout = await rollouts.next()
+    rewards = await job.reward.score.remote(rollout)
+    advantages = group_advantages(rewards, int(cfg["policy"]["group_size"]))
+    await job.replay.add.remote(rollout, rewards, advantages)
+    version = await job.ranks[0].version.remote()
+    evicted = await job.replay.evict.remote(version)
+    batch_ref = job.replay.sample.remote(int(cfg["replay"]["sample_size"]))
+    results = await asyncio.gather(*(r.train_step.remote(batch_ref) for r in job.ranks))
+    batch = await batch_ref
+    await job.push_weights()
+    stats = await job.reward.stats.remote()
+    m = results[0]
+    return {
+        "step": step,
+        "loss": m["loss"],
+        "reward_mean": float(rewards.mean()),
+        "exact_frac": float((rewards == 1.0).mean()),
+        "reward_running_mean": stats["mean"],
+        "policy_version": m["version"],
+        "rollout_version": int(rollout["version"][0]),
+        "lr": m["lr"],
+        "grad_norm": m["grad_norm"],
+        "clip_frac": m["clip_frac"],
+        "kl": m["kl"],
+        "rollout_prompt_ids": rollout["prompt_id"][:: int(cfg["policy"]["group_size"])].tolist(),
+        "trained_prompt_ids": batch["prompt_id"].tolist(),
+        "evicted_prompt_ids": evicted,
+    }
+
+
+def prepare_run_dir(cfg: dict[str, Any]) -> None:
+    run_dir = cfg["run_dir"]
+    if cfg.get("fresh"):
+        folder = os.path.join(run_dir, CHECKPOINTS)
+        if os.path.isdir(folder):
+            # Taking the folder's lock first: a live run that uses it is not wiped under it.
+            CheckpointCoordinator(CheckpointConfig(folder=folder)).close()
+            shutil.rmtree(folder)
+        for name in (METRICS, FINAL_WEIGHTS):
+            if os.path.exists(os.path.join(run_dir, name)):
+                os.remove(os.path.join(run_dir, name))
+    os.makedirs(run_dir, exist_ok=True)
+
+
+def make_coordinator(cfg: dict[str, Any]) -> CheckpointCoordinator:
+    """The run's coordinator; it locks `run_dir/checkpoints` (one live job per folder)."""
+    ckpt = cfg["checkpoint"]
+    return CheckpointCoordinator(
+        CheckpointConfig(
+            folder=os.path.join(cfg["run_dir"], CHECKPOINTS),
+            keep_last=ckpt["keep_last"],
+            async_mode=ckpt["async_mode"],
+            fingerprint=fingerprint(cfg),
+        )
+    )
+
+
+async def run(cfg: dict[str, Any]) -> int:
+    stop = asyncio.Event()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+    coord = make_coordinator(cfg)
+    t0 = time.perf_counter()
+    try:
+        job = Job(cfg)
+        job.register(coord)
+        loaded = await coord.load()  # restores every actor and the trainer, or None
+        start = loaded.step if loaded else 0
+        log = MetricsLog(os.path.join(cfg["run_dir"], METRICS))
+        log.truncate_after(start)
+        await job.push_weights()  # restored (or initial) weights before any rollout
+        ready = time.perf_counter() - t0
+        progress = Progress(start, int(cfg["steps"]), resumed=loaded is not None, ready_s=ready)
+        with progress:
+            step = await train_loop(job, coord, log, progress, cfg, start, stop)
+        await coord.wait()
+        if stop.is_set() and step < int(cfg["steps"]):
+            done = f"committed step {step}" if step > start else "no step ran, nothing saved"
+            print(f"SIGTERM: {done}; run the same command again to continue")
+            return 0
+        await write_final_weights(job, os.path.join(cfg["run_dir"], FINAL_WEIGHTS))
+        print(summary(log.read(), cfg["run_dir"]))
+        return 0
+    finally:
+        coord.close()
+
+
+async def train_loop(
+    job: Job,
+    coord: CheckpointCoordinator,
+    log: MetricsLog,
+    progress: Progress,
+    cfg: dict[str, Any],
+    start: int,
+    stop: asyncio.Event,
+) -> int:
+    """Steps start+1 .. `steps` (or until SIGTERM); returns the last step trained."""
+    steps, interval = int(cfg["steps"]), int(cfg["checkpoint"]["interval"])
+    rollouts = Rollouts(job, bool(cfg["overlap"]))
+    step = start
+    while step < steps and not stop.is_set():
+        step += 1
+        record = await train_step(job, rollouts, cfg, step)
+        log.append(record)
+        progress.update(record)
+        if step % interval == 0 or step == steps or stop.is_set():
+            await rollouts.drain()  # the consistent cut: nothing of this step is in flight
+            log.sync()
+            await coord.save(step, extra={"policy_version": record["policy_version"]})
+    return step
+
+
+async def write_final_weights(job: Job, path: str) -> None:
+    from safetensors.torch import save_file
+
+    weights = await job.ranks[0].get_weights.remote()
+    save_file({k: v.contiguous() for k, v in weights.items()}, path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except (ConfigError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    t0 = time.perf_counter()
+    try:
+        prepare_run_dir(cfg)
+        start_ray(cfg)
+        print(f"Ray started in {time.perf_counter() - t0:.1f}s", flush=True)
+        code = asyncio.run(run(cfg))
+    except CheckpointMismatchError as e:
+        print(f"error: {cfg['run_dir']} cannot be resumed by this config.\n{e}", file=sys.stderr)
+        print("(use another run_dir, or fresh=true to start this one over)", file=sys.stderr)
+        return 2
+    except CheckpointError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        ray.shutdown()
+    print(f"wall time {time.perf_counter() - t0:.1f}s")
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
