@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import os
+import time
 from dataclasses import dataclass
 
 import crc32c as _crc32c
@@ -35,16 +36,22 @@ class FileRecord:
 
 def _fault(op: str) -> None:
     """Fail on request: `FORGE_CKPT_FAULT=write:ENOSPC` (or `fsync:EIO`, ...) makes every
-    matching operation in this process raise the given errno. Used by the fault tests, which set
-    it in the environment of the actor or process under test."""
+    matching operation in this process raise the given errno; `fsync:sleep=0.2` makes it slow
+    (a slow disk: it widens the window in which a save is in flight). Operations: open, write,
+    fsync, rename. Used by the fault tests and the kill harness, which set it in the
+    environment of the process under test."""
     spec = os.environ.get("FORGE_CKPT_FAULT")
     if not spec:
         return
     for item in spec.split(","):
         want, _, code = item.partition(":")
-        if want == op:
-            num = getattr(errno, code or "EIO")
-            raise OSError(num, f"{os.strerror(num)} (injected by FORGE_CKPT_FAULT)")
+        if want != op:
+            continue
+        if code.startswith("sleep="):
+            time.sleep(float(code.removeprefix("sleep=")))
+            continue
+        num = getattr(errno, code or "EIO")
+        raise OSError(num, f"{os.strerror(num)} (injected by FORGE_CKPT_FAULT)")
 
 
 def fsync_dir(path: str) -> None:

@@ -33,6 +33,7 @@ RESUMABLE_KEYS = frozenset(
         "fresh",
         "progress",
         "ray.num_cpus",
+        "ray.address",
         "checkpoint.interval",
         "checkpoint.keep_last",
         "checkpoint.async_mode",

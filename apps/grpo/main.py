@@ -65,15 +65,25 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def start_ray(cfg: dict[str, Any]) -> None:
     env = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "OMP_NUM_THREADS": "1"}
-    ray.init(
-        address="local",
-        num_cpus=int(cfg["ray"]["num_cpus"]),
-        include_dashboard=False,
-        object_store_memory=int(cfg["ray"]["object_store_mb"]) * 1024**2,
-        runtime_env={"env_vars": env},
-        log_to_driver=True,
-        logging_level="WARNING",
-    )
+    common = {"runtime_env": {"env_vars": env}, "log_to_driver": True, "logging_level": "WARNING"}
+    if cfg["ray"].get("address"):  # join a running cluster; this job's actors die with it
+        ray.init(address=cfg["ray"]["address"], **common)
+        return
+    for attempt in range(3):  # Ray gives its raylet a fixed 30 s: too short on a busy machine
+        try:
+            ray.init(
+                address="local",
+                num_cpus=int(cfg["ray"]["num_cpus"]),
+                include_dashboard=False,
+                object_store_memory=int(cfg["ray"]["object_store_mb"]) * 1024**2,
+                **common,
+            )
+            return
+        except Exception as e:
+            if "timed out during startup" not in str(e) or attempt == 2:
+                raise
+            print(f"Ray did not start ({e}); retrying", flush=True)
+            ray.shutdown()
 
 
 class Job:
