@@ -112,3 +112,37 @@ def test_sigterm_commits_the_current_step_and_exits_0(references, tmp_path):
     assert job.resumed_from() == lines
     assert read(os.path.join(run_dir, chaos.METRICS)) == read(os.path.join(ref, chaos.METRICS))
     assert read(os.path.join(run_dir, chaos.WEIGHTS)) == read(os.path.join(ref, chaos.WEIGHTS))
+
+
+def test_sigterm_during_background_save_commits_and_exits_0(references, tmp_path):
+    ref = references("base")
+    run_dir = str(tmp_path / "run")
+    folder = os.path.join(run_dir, chaos.CHECKPOINTS)
+    overrides = ["checkpoint.async_mode=async"]
+    job = chaos.Job(CONFIG, run_dir, overrides, SLOW, str(tmp_path / "term.log"))
+    assert chaos.wait_until(job, lambda: chaos.saving(folder), 600, 0.001)
+    os.kill(job.proc.pid, signal.SIGTERM)  # while a background save is being written
+    assert job.wait(timeout=300) == 0
+    lines = chaos.metrics_lines(run_dir)
+    assert layout.committed_steps(folder)[-1] == lines and not chaos.saving(folder)
+    job = run_to_end(run_dir, overrides, {}, str(tmp_path / "again.log"))
+    assert job.resumed_from() == lines
+    assert read(os.path.join(run_dir, chaos.METRICS)) == read(os.path.join(ref, chaos.METRICS))
+
+
+def test_sigterm_grace_period_exceeded_exits_1_and_names_the_resume_step(tmp_path):
+    run_dir = str(tmp_path / "run")
+    folder = os.path.join(run_dir, chaos.CHECKPOINTS)
+    very_slow = {"FORGE_CKPT_FAULT": "fsync:sleep=1.0"}  # a save takes far longer than 2 s
+    job = chaos.Job(
+        CONFIG, run_dir, ["checkpoint.sigterm_grace_s=2"], very_slow, str(tmp_path / "term.log")
+    )
+    assert chaos.wait_until(job, lambda: bool(layout.committed_steps(folder)), 600, 0.01)
+    assert chaos.wait_until(job, lambda: chaos.saving(folder), 600, 0.001)
+    os.kill(job.proc.pid, signal.SIGTERM)
+    assert job.wait(timeout=120) == 1
+    newest = layout.committed_steps(folder)[-1]
+    assert (
+        f"no commit within the grace period of 2s; exiting. The newest committed step is {newest}"
+    ) in read(job.log).decode()
+    job.kill()  # its Ray processes

@@ -37,6 +37,7 @@ RESUMABLE_KEYS = frozenset(
         "checkpoint.interval",
         "checkpoint.keep_last",
         "checkpoint.async_mode",
+        "checkpoint.sigterm_grace_s",
         "dataset.num_workers",
         "trainer.world_size",
     }

@@ -218,7 +218,8 @@ def make_coordinator(cfg: dict[str, Any]) -> CheckpointCoordinator:
 
 async def run(cfg: dict[str, Any]) -> int:
     stop = asyncio.Event()
-    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+    grace = float(cfg["checkpoint"]["sigterm_grace_s"])
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, on_sigterm, stop, grace, cfg)
     coord = make_coordinator(cfg)
     t0 = time.perf_counter()
     try:
@@ -243,6 +244,29 @@ async def run(cfg: dict[str, Any]) -> int:
         return 0
     finally:
         coord.close()
+
+
+def on_sigterm(stop: asyncio.Event, grace_s: float, cfg: dict[str, Any]) -> None:
+    """Finish the step, commit it, exit 0; if that cannot happen within `grace_s` (the
+    scheduler's SIGKILL would come next), exit 1 naming the step that will be resumed."""
+    if stop.is_set():
+        return
+    stop.set()
+
+    def overdue() -> None:
+        from forge_ckpt import layout
+
+        folder = os.path.join(cfg["run_dir"], CHECKPOINTS)
+        newest = (layout.committed_steps(folder) or [None])[-1]
+        print(
+            f"SIGTERM: no commit within the grace period of {grace_s:.0f}s; exiting. "
+            f"The newest committed step is {newest}: the next start resumes from it.",
+            file=sys.stderr,
+            flush=True,
+        )
+        os._exit(1)
+
+    asyncio.get_running_loop().call_later(grace_s, overdue)
 
 
 async def train_loop(
