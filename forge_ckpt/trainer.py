@@ -94,9 +94,13 @@ class TrainerCheckpointer:
         self.lr_schedulers = lr_schedulers
         self._generators = dict(rng_generators or {})
         # folder is never used: every save and load names its step folder explicitly, and
-        # keep_latest_k=0 keeps TorchTitan's purge thread (which deletes step-N by name) off.
+        # keep_latest_k=0 keeps TorchTitan's purge thread (which deletes step-N by name) off;
+        # initial_load_model_only=False: we never use its initial load (it warns otherwise).
         self.manager = CheckpointManager.Config(
-            enable=True, folder="unused-by-forge-ckpt", keep_latest_k=0
+            enable=True,
+            folder="unused-by-forge-ckpt",
+            keep_latest_k=0,
+            initial_load_model_only=False,
         ).build(
             dataloader=None,
             model_parts=model_parts,
