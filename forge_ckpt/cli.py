@@ -56,14 +56,18 @@ def list_steps(folder: str) -> None:
     console.print(table)
 
 
-@app.command()
-def verify(step_folder: str) -> None:
-    """Check every file of a committed step against the manifest; exit 1 on any problem."""
+def _committed_or_exit(step_folder: str) -> layout.Manifest:
     try:
-        manifest = layout.read_committed(step_folder)
+        return layout.read_committed(step_folder)
     except CheckpointCorruptError as e:
         console.print(f"[red]FAIL[/] {escape(str(e))}")
         raise typer.Exit(1) from None
+
+
+@app.command()
+def verify(step_folder: str) -> None:
+    """Check every file of a committed step against the manifest; exit 1 on any problem."""
+    manifest = _committed_or_exit(step_folder)
     bad = 0
     for rec in manifest.files:
         try:
@@ -83,11 +87,7 @@ def inspect(step_folder: str) -> None:
     """Manifest, components and the shapes and dtypes of what each file holds."""
     from . import serialization
 
-    try:
-        manifest = layout.read_committed(step_folder)
-    except CheckpointCorruptError as e:
-        console.print(f"[red]{escape(str(e))}")
-        raise typer.Exit(1) from None
+    manifest = _committed_or_exit(step_folder)
     console.print(
         f"step {manifest.step}  format v{manifest.format_version}  "
         f"{_mb(manifest.nbytes)}  fingerprint {manifest.fingerprint}"
