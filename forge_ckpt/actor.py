@@ -5,8 +5,9 @@ never funnels through the driver and all actors write in parallel. The saved sta
 user's `state_dict()` plus every RNG stream of the actor process (`forge_ckpt.rng`).
 
 Save is two-phase so that a save can run in the background: `forge_begin_save` takes the
-snapshot (an in-memory copy: the consistent cut) and, in sync mode, also writes it;
-`forge_save_status` reports the written file once it is durable. Load is two-phase too:
+snapshot (an in-memory copy: the consistent cut) and, in sync mode, also writes it and
+returns the file's record; `forge_save_status` reports a background write's file once it is
+durable. Load is two-phase too:
 `forge_prepare_load` reads, verifies and decodes (and calls `validate_state_dict`), and only
 when every component has prepared does `forge_apply_load` change the actor, so a corrupt or
 mismatched checkpoint never leaves some actors restored and others not.
@@ -78,8 +79,9 @@ class Checkpointable:
     def validate_state_dict(self, state: Any) -> None:
         return None
 
-    def forge_begin_save(self, step_dir: str, relpath: str, background: bool) -> int:
-        """Snapshot now; write now (sync) or in a thread (background). Returns snapshot bytes."""
+    def forge_begin_save(self, step_dir: str, relpath: str, background: bool) -> dict:
+        """Snapshot now; write now (sync) or in a thread (background). Returns the snapshot's
+        size and, when the write is already done (sync), the written file's record."""
         state = wrap_state(self.state_dict(), rng.capture(self.rng_generators()))
         name = f"{type(self).__name__}[{relpath}]"
         # copy=False is safe in sync mode: the actor runs nothing else until the write ends.
@@ -87,7 +89,7 @@ class Checkpointable:
         self._forge_write = BackgroundWrite(
             snap, os.path.join(step_dir, relpath), relpath, background
         )
-        return snap.nbytes
+        return {"nbytes": snap.nbytes, "files": None if background else self.forge_save_status()}
 
     def forge_save_status(self) -> list[dict] | None:
         return self._forge_write.status()

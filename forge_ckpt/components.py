@@ -37,10 +37,21 @@ class Unit:
 class RemoteUnit(Unit):
     """An actor that speaks the forge protocol (see actor.py and trainer.py)."""
 
+    _files: list[FileRecord] | None = None  # reported by a synchronous begin
+
     async def begin(self, step_dir: str, background: bool) -> int:
-        return await self.handle.forge_begin_save.remote(step_dir, self.relpath, background)
+        self._files = None
+        res = await self.handle.forge_begin_save.remote(step_dir, self.relpath, background)
+        # A synchronous write reports its files with the size: no second round trip (with
+        # many actors, one round of calls to all of them costs tens of milliseconds).
+        files = res.get("files")
+        self._files = None if files is None else [FileRecord.from_dict(r) for r in files]
+        return int(res["nbytes"])
 
     async def status(self) -> list[FileRecord] | None:
+        if self._files is not None:
+            files, self._files = self._files, None
+            return files
         recs = await self.handle.forge_save_status.remote()
         return None if recs is None else [FileRecord.from_dict(r) for r in recs]
 

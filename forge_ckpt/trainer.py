@@ -341,9 +341,12 @@ class TrainerMixin:
             return {"rank": 0, "world_size": 1}
         return {"rank": dist.get_rank(), "world_size": dist.get_world_size()}
 
-    def forge_begin_save(self, step_dir: str, relpath: str, background: bool) -> int:
+    def forge_begin_save(self, step_dir: str, relpath: str, background: bool) -> dict:
+        """The snapshot's size and, after a synchronous write, this rank's file records."""
         del relpath  # trainer ranks name their own files
-        return self.checkpointer.begin_save(step_dir, background)
+        nbytes = self.checkpointer.begin_save(step_dir, background)
+        files = None if background else self.checkpointer.save_status()
+        return {"nbytes": nbytes, "files": files}
 
     def forge_save_status(self) -> list[dict] | None:
         return self.checkpointer.save_status()
