@@ -907,11 +907,10 @@ def analysis(results: dict, ref: dict, targets: dict) -> str:
             f"writes its own files, so `trainer.py` reads every shard back to compute its crc32c "
             f"({readback:.3f}s here, {readback / titan:.0%} of TorchTitan's whole save"
             + (f"; {trainer_mib / readback / 1024:.1f} GiB/s" if readback else "")
-            + "). The read comes from the page cache, so it costs memory bandwidth and CPU, not "
-            "disk time: its share is largest when the disk is fast. The patch "
-            "`trainer-crc-while-writing.diff` computes the crc32c on the bytes as DCP writes "
-            "them (a checksumming file system under DCP's stock `FileSystemWriter`) and removes "
-            "the read-back."
+            + "). The file is memory-mapped and read from the page cache right after DCP wrote "
+            "it, so the checksum costs memory bandwidth and CPU, not disk time. Computing it "
+            "while DCP writes would need a storage writer of our own under `dcp.save`, which "
+            "TorchTitan's `dcp_save` does not take (it builds its writer from the path)."
         )
     else:
         add(
@@ -953,8 +952,9 @@ def analysis(results: dict, ref: dict, targets: dict) -> str:
             f"reaches {fmt(state_summary(ref)['titan_vs_raw'])} of the raw disk speed - and in "
             f"a full step it shares {results['machine']['cores']} cores with the "
             f"{ref['actors']} actors' writes (crc32c + copy into the page cache) and the "
-            "kernel's writeback. The read-back checksum (see above) adds to the same path; "
-            "removing it is the one change inside forge_ckpt that shortens it. "
+            "kernel's writeback. The read-back checksum (see above) is a small part of that "
+            "path; the rest is DCP's write, which TorchTitan's `dcp_save` runs through DCP's "
+            "default `FileSystemWriter` (one writer thread per rank, no way to pass another). "
         )
     else:
         text += "The actors' files are the critical path here. "
