@@ -157,7 +157,11 @@ class BenchTrainer(TrainerMixin):
             return {"blocked_s": total, "total_s": total}
         if self._titan_async is None:
             self._titan_async = CheckpointManager.Config(
-                enable=True, folder="unused", keep_latest_k=0, async_mode="async"
+                enable=True,
+                folder="unused",
+                keep_latest_k=0,
+                async_mode="async",
+                initial_load_model_only=False,  # no initial load here (it warns otherwise)
             ).build(
                 dataloader=None,
                 model_parts=[self.model],
