@@ -39,7 +39,6 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 from torchtitan.components.checkpoint import (
@@ -54,6 +53,7 @@ from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersCon
 
 from . import layout, rng, serialization
 from .errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
+from .staging import SnapshotBuffers
 from .storage import FileRecord, checksum_file, fsync_dir, verify_file
 
 log = logging.getLogger("forge_ckpt")
@@ -110,7 +110,7 @@ class TrainerCheckpointer:
             sd_adapter=None,
         )
         self._save_pg: dist.ProcessGroup | None = None
-        self._stager: DefaultStager | None = None
+        self._snapshot = SnapshotBuffers()
         self._executor: ThreadPoolExecutor | None = None
         self._future: Future | None = None
         self._records: list[dict] | None = None
@@ -167,17 +167,9 @@ class TrainerCheckpointer:
         }
 
     def _stage(self, state: dict[str, Any]) -> dict[str, Any]:
-        """Copy the state into CPU memory that training cannot touch; DCP's stager keeps the
-        buffers (keyed by source storage) so later saves copy without allocating."""
-        if self._stager is None:
-            options = StagingOptions(
-                use_pinned_memory=torch.cuda.is_available(),  # fast device-to-host copies
-                use_shared_memory=False,  # our writer is a thread, not a process
-                use_async_staging=False,  # the copy must be complete when begin_save returns
-                use_non_blocking_copy=False,
-            )
-            self._stager = DefaultStager(options)
-        return self._stager.stage(state)
+        """Copy the state into CPU memory that training cannot touch (pinned for a GPU
+        trainer); the buffers are kept, so later saves copy without allocating."""
+        return self._snapshot.copy(state)
 
     def _background_pg(self) -> dist.ProcessGroup:
         """A gloo group of our own, as TorchTitan's async mode makes: the background DCP
