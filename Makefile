@@ -20,7 +20,7 @@ test: setup
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 bench: setup
-	$(PY) -m benchmarks.run
+	$(PY) -m benchmarks.run --merge-gpu docs/benchmarks_gpu.json
 
 lint: setup
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

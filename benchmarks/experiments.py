@@ -401,25 +401,40 @@ async def actor_point(b: Bench, n: int, total: int) -> dict[str, Any]:
 
 async def gpu_point(b: Bench, total: int) -> dict[str, Any]:
     """Trainer only, on CUDA: how long `save()` blocks in async mode (the device-to-host copy
-    into reused pinned buffers), and the sync save for reference."""
+    into reused pinned buffers), against the bare device-to-host copy of the same tensors into
+    pinned memory (the floor) and TorchTitan's own async `dcp_save`; the sync save for
+    reference."""
     info = await b.trainer.setup.remote(total, "cuda")
     coord = coordinator(b, "gpu", trainer=True, actors=[])
     await forge_save(b, coord, [b.trainer], "async")  # warm-up: allocates the pinned buffers
+    await b.trainer.d2h_copy.remote()  # warm-up: allocates its own pinned buffers
     point: dict[str, Any] = {"total_target": total, "trainer": info, "trials": []}
+
+    async def titan_async() -> dict:
+        path = b.path("titan-async-gpu")
+        disk.settle()
+        r = await b.trainer.titan_save.remote(path, "async")
+        disk.remove(path)
+        return r
+
+    methods = [
+        ("d2h_copy", lambda: b.trainer.d2h_copy.remote()),
+        ("titan_async", titan_async),
+        ("forge_async", lambda: forge_save(b, coord, [b.trainer], "async")),
+        ("forge_sync", lambda: forge_save(b, coord, [b.trainer], "sync")),
+    ]
     for trial in range(b.trials):
-        row = {
-            "forge_async": await _attempt(
-                b,
-                f"gpu trial {trial} async",
-                lambda: forge_save(b, coord, [b.trainer], "async"),
-            ),
-            "forge_sync": await _attempt(
-                b,
-                f"gpu trial {trial} sync",
-                lambda: forge_save(b, coord, [b.trainer], "sync"),
-            ),
-        }
+        row: dict[str, Any] = {}
+        for name, fn in _order(methods, trial):
+            row[name] = await _attempt(b, f"gpu trial {trial} {name}", fn)
         point["trials"].append(row)
+        log.info(
+            "gpu trial %d: forge async blocked %s, d2h copy %s, titan async blocked %s",
+            trial,
+            f"{row['forge_async']['blocked_s']:.3f}s" if row["forge_async"] else "failed",
+            f"{row['d2h_copy']:.3f}s" if row["d2h_copy"] is not None else "failed",
+            f"{row['titan_async']['blocked_s']:.3f}s" if row["titan_async"] else "failed",
+        )
     coord.close()
     disk.remove(coord.config.folder)
     return point

@@ -52,6 +52,11 @@ def series(rows: list[dict], fn: Callable[[dict], float | None]) -> list[float]:
     return out
 
 
+def gpu_machine(results: dict) -> dict:
+    """The machine the GPU figures were measured on: this run's, or a merged GPU run's."""
+    return results.get("gpu_run", {}).get("machine", results["machine"])
+
+
 def med(xs: list[float]) -> float | None:
     return statistics.median(xs) if xs else None
 
@@ -411,7 +416,7 @@ def evaluate(results: dict) -> dict[str, dict]:
         xs = series(gpu["trials"], lambda r: r["forge_async"]["blocked_s"])
         out["gpu_blocked"] = {
             "values": xs,
-            "where": f"{gpu['trainer']['tensor_bytes'] / 2**30:.1f} GiB on {results['machine']['cuda']}",
+            "where": f"{gpu['trainer']['tensor_bytes'] / 2**30:.1f} GiB on {gpu_machine(results)['cuda']}",
         }
     else:
         out["gpu_blocked"] = {"values": [], "where": "no GPU in this run"}
@@ -633,6 +638,15 @@ def markdown(results: dict, images: list[str], out_dir: str) -> str:
     )
     if m.get("cuda"):
         add(f"- GPU: {m['cuda']} (the trainer ran on CUDA)")
+    elif results.get("gpu_run"):
+        g = results["gpu_run"]
+        gm = g["machine"]
+        add(
+            "- GPU: none on this machine: the CPU figures were measured with the trainer's "
+            f"tensors on the CPU. The GPU section comes from a separate run on {gm['cuda']} "
+            f"({gm['cores']} cores, {_gib(gm['ram_bytes'])} RAM, torch {gm['torch']}, "
+            f"disk {gm['filesystem']}) on {g['date']}: `{g['command']}`."
+        )
     else:
         add(
             "- GPU: **none in this run.** The trainer's tensors lived on the CPU. On a machine "
@@ -825,15 +839,53 @@ def markdown(results: dict, images: list[str], out_dir: str) -> str:
     gpu = results.get("gpu")
     if gpu:
         add("## GPU\n")
+        add(
+            "Trainer only, its model and AdamW state on the GPU. `save()` in async mode returns "
+            "once the state is copied into pinned CPU buffers that are reused between saves; "
+            "the bare copy is a loop of `copy_` into pinned buffers allocated beforehand (the "
+            "floor of any snapshot), TorchTitan async is `dcp_save` with `AsyncMode.ASYNC` on "
+            "the same tensors.\n"
+        )
+        trials = gpu["trials"]
+        blocked = series(trials, lambda r: r["forge_async"]["blocked_s"])
         rows = [
+            ["trainer state", _gib(gpu["trainer"]["tensor_bytes"])],
+            ["forge_ckpt async: `save()` blocked, s", fmt(blocked, 3)],
             [
-                _gib(gpu["trainer"]["tensor_bytes"]),
-                fmt(series(gpu["trials"], lambda r: r["forge_async"]["blocked_s"]), 3),
-                fmt(series(gpu["trials"], lambda r: r["forge_async"]["total_s"]), 3),
-                fmt(series(gpu["trials"], lambda r: r["forge_sync"]["total_s"]), 3),
-            ]
+                "bare device-to-host copy into pinned memory, s",
+                fmt(series(trials, lambda r: r["d2h_copy"]), 3),
+            ],
+            [
+                "forge_ckpt blocked / bare copy",
+                fmt(series(trials, lambda r: r["forge_async"]["blocked_s"] / r["d2h_copy"])),
+            ],
+            [
+                "TorchTitan async: `dcp_save` blocked, s",
+                fmt(series(trials, lambda r: r["titan_async"]["blocked_s"]), 3),
+            ],
+            [
+                "forge_ckpt blocked / TorchTitan async blocked",
+                fmt(
+                    series(
+                        trials,
+                        lambda r: r["forge_async"]["blocked_s"] / r["titan_async"]["blocked_s"],
+                    )
+                ),
+            ],
+            [
+                "forge_ckpt async: `save()` to commit, s",
+                fmt(series(trials, lambda r: r["forge_async"]["total_s"]), 3),
+            ],
+            [
+                "TorchTitan async: to written, s",
+                fmt(series(trials, lambda r: r["titan_async"]["total_s"]), 3),
+            ],
+            [
+                "forge_ckpt sync save, s",
+                fmt(series(trials, lambda r: r["forge_sync"]["total_s"]), 3),
+            ],
         ]
-        add(_table(["trainer state", "async blocked s", "async to commit s", "sync s"], rows))
+        add(_table(["GPU figure", "median (min-max)"], rows))
         add("")
 
     add("## Where the time goes\n")
@@ -996,7 +1048,13 @@ def analysis(results: dict, ref: dict, targets: dict) -> str:
             "trainer's), see `trainer-only async blocked / TorchTitan async blocked` above. "
             "Avoiding the copy entirely would need copy-on-write snapshots (forking the actor "
             "processes, which hold Ray's threads: not safe). With a GPU trainer the copy is device-to-host into pinned buffers "
-            "(tens of GB/s) and the target is reachable; it was not measurable here.\n"
+            "(tens of GB/s): "
+            + (
+                "see the GPU section below for the measured blocking time."
+                if results.get("gpu")
+                else "the target should be reachable there; it was not measurable here."
+            )
+            + "\n"
         )
 
     add("### Load vs the raw cold read\n")

@@ -5,6 +5,8 @@ and TorchTitan alone, then write docs/benchmarks.md, docs/benchmarks.json and do
     python -m benchmarks.run --quick         # a ~2 min smoke run, report under runs/bench-quick/
     python -m benchmarks.run --trials 3      # fewer trials per figure (default 5)
     python -m benchmarks.run --report-only docs/benchmarks.json   # re-render the report
+    python -m benchmarks.run --parts gpu --out runs/gpu   # on a CUDA machine: the GPU check
+    python -m benchmarks.run --merge-gpu docs/benchmarks_gpu.json   # CPU run + that GPU part
 
 Scratch files go to runs/bench/ (on the disk under test) and are deleted at the end.
 """
@@ -62,11 +64,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--parts",
         nargs="+",
-        choices=["state", "actors"],
-        default=["state", "actors"],
-        help="which sweeps to run (default both)",
+        choices=["state", "actors", "gpu"],
+        default=["state", "actors", "gpu"],
+        help="which parts to run (default all; 'gpu' runs only where CUDA is present)",
     )
     p.add_argument("--report-only", metavar="JSON", help="render the report from a results file")
+    p.add_argument(
+        "--merge-gpu",
+        metavar="JSON",
+        help="where this machine has no GPU: report the GPU part of another run's results "
+        "(made with --parts gpu on a CUDA machine), described with that machine",
+    )
     args = p.parse_args(argv)
     if args.trials is None:
         args.trials = 2 if args.quick else 5
@@ -176,7 +184,7 @@ async def run(args: argparse.Namespace, results: dict[str, Any]) -> None:
         results["state"][-1]["wall_s"] = time.perf_counter() - t
         _checkpoint(args, results, b)
 
-    if cuda:
+    if cuda and "gpu" in args.parts:
         t = time.perf_counter()
         gpu = await experiments.gpu_point(b, int(args.gpu_gib * 2**30))
         gpu["wall_s"] = time.perf_counter() - t
@@ -203,6 +211,21 @@ def _checkpoint(args: argparse.Namespace, results: dict, b: experiments.Bench) -
         json.dump(results, f, default=str)
 
 
+def _merge_gpu(results: dict[str, Any], path: str | None) -> None:
+    """Without a GPU here, report the GPU part of another run (made with `--parts gpu` on a
+    CUDA machine), described with that machine."""
+    if results.get("gpu") or not path:
+        return
+    if not os.path.exists(path):
+        log.warning("no GPU results at %s: the GPU target is reported as not measured", path)
+        return
+    with open(path) as f:
+        other = json.load(f)
+    if other.get("gpu"):
+        results["gpu"] = other["gpu"]
+        results["gpu_run"] = {k: other[k] for k in ("command", "date", "machine", "wall_s")}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(
@@ -212,6 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.report_only:
         with open(args.report_only) as f:
             results = json.load(f)
+        _merge_gpu(results, args.merge_gpu)
         report.write(results, args.out)
         return 0
 
@@ -249,6 +273,7 @@ def main(argv: list[str] | None = None) -> int:
         ray.shutdown()
         shutil.rmtree(args.work_dir, ignore_errors=True)
     results["wall_s"] = time.perf_counter() - start
+    _merge_gpu(results, args.merge_gpu)
     report.write(results, args.out)
     partial = os.path.abspath(args.work_dir) + ".partial.json"
     if os.path.exists(partial):

@@ -62,6 +62,7 @@ class BenchTrainer(TrainerMixin):
     def __init__(self) -> None:
         self.model: nn.Module | None = None
         self._titan_async: CheckpointManager | None = None
+        self._pinned: list[torch.Tensor] | None = None
 
     def setup(self, nbytes: int, device: str) -> dict[str, Any]:
         """(Re)build model and optimizer of about `nbytes` state and take one optimizer step
@@ -117,6 +118,7 @@ class BenchTrainer(TrainerMixin):
         self.checkpointer.manager.close()
         del self.checkpointer, self.optimizers, self.lr_schedulers, self.model
         self.model = None
+        self._pinned = None
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
@@ -179,6 +181,20 @@ class BenchTrainer(TrainerMixin):
         future.result()
         return {"blocked_s": blocked, "total_s": time.perf_counter() - start}
 
+    def d2h_copy(self) -> float:
+        """The floor of a GPU snapshot: copy every tensor of the state into pinned CPU buffers
+        allocated once (the first call), synchronously, as a bare loop of `copy_`."""
+        state = _stateful_resolved(self.checkpointer.manager._flattened_model_states_sd())
+        tensors = _tensors(state)
+        if self._pinned is None or len(self._pinned) != len(tensors):
+            self._pinned = [torch.empty_like(t, device="cpu").pin_memory() for t in tensors]
+        self._sync()
+        start = time.perf_counter()
+        for dst, src in zip(self._pinned, tensors, strict=True):
+            dst.copy_(src)
+        self._sync()
+        return time.perf_counter() - start
+
     def titan_load(self, path: str) -> float:
         """TorchTitan's `dcp_load` of a folder that `titan_save` wrote (caches dropped first)."""
         manager = self.checkpointer.manager
@@ -196,6 +212,16 @@ class BenchTrainer(TrainerMixin):
         out = take_phases()
         out["rss"] = rss()
         return out
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        return [t for v in obj.values() for t in _tensors(v)]
+    if isinstance(obj, (list, tuple)):
+        return [t for v in obj for t in _tensors(v)]
+    return []
 
 
 def _count_tensors(obj: Any) -> int:
