@@ -6,6 +6,8 @@ state go into one `step-N/` folder, made visible by a commit marker written last
 
 __version__ = "0.1.0"
 
+from typing import Any  # noqa: E402
+
 from .actor import Checkpointable  # noqa: E402
 from .config import CheckpointConfig  # noqa: E402
 from .coordinator import CheckpointCoordinator, LoadResult, SaveResult  # noqa: E402
@@ -18,6 +20,7 @@ from .errors import (  # noqa: E402
     InvalidNameError,
     NotSerializableError,
 )
+from .storage import StorageError  # noqa: E402
 
 __all__ = [
     "CheckpointConfig",
@@ -32,10 +35,21 @@ __all__ = [
     "LoadResult",
     "NotSerializableError",
     "SaveResult",
+    "StorageError",
     "TrainerCheckpointer",
     "TrainerMixin",
+    "committed_steps",
     "spawn_trainer_ranks",
 ]
+
+
+def committed_steps(folder: str, storage_options: dict[str, Any] | None = None) -> list[int]:
+    """The committed steps of a checkpoint folder (local path or `s3://`), oldest first: what
+    `load()` would choose from, without opening the folder for writing."""
+    from . import layout
+    from .storage import open_storage
+
+    return layout.committed_steps(open_storage(folder, storage_options))
 
 
 def __getattr__(name: str):

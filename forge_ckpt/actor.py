@@ -7,7 +7,9 @@ user's `state_dict()` plus every RNG stream of the actor process (`forge_ckpt.rn
 Save is two-phase so that a save can run in the background: `forge_begin_save` takes the
 snapshot (an in-memory copy: the consistent cut) and, in sync mode, also writes it and
 returns the file's record; `forge_save_status` reports a background write's file once it is
-durable. Load is two-phase too:
+durable; `forge_abort_save` joins and forgets a write whose step failed elsewhere. The actor
+opens the storage itself from the picklable spec it is handed (a local folder or `s3://`).
+Load is two-phase too:
 `forge_prepare_load` reads, verifies and decodes (and calls `validate_state_dict`), and only
 when every component has prepared does `forge_apply_load` change the actor, so a corrupt or
 mismatched checkpoint never leaves some actors restored and others not.
@@ -19,12 +21,12 @@ actor into an async actor whose calls interleave. Async actors register as plain
 
 from __future__ import annotations
 
-import os
+import posixpath
 import threading
 from typing import Any
 
 from . import rng, serialization
-from .storage import FileRecord
+from .storage import FileRecord, Storage, StorageSpec, open_storage
 
 STATE_FORMAT = 1
 
@@ -37,11 +39,13 @@ def wrap_state(state: Any, rng_state: Any = None) -> dict[str, Any]:
 class BackgroundWrite:
     """A snapshot being written by a thread; `status()` polls without blocking the actor."""
 
-    def __init__(self, snap: serialization.Snapshot, path: str, relpath: str, background: bool):
+    def __init__(
+        self, snap: serialization.Snapshot, store: Storage, relpath: str, background: bool
+    ):
         self._result: FileRecord | None = None
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
-        args = (snap, path, relpath)
+        args = (snap, store, relpath)
         if background:
             self._thread = threading.Thread(target=self._run, args=args, daemon=True)
             self._thread.start()
@@ -50,9 +54,10 @@ class BackgroundWrite:
             if self._error is not None:
                 raise self._error
 
-    def _run(self, snap: serialization.Snapshot, path: str, relpath: str) -> None:
+    def _run(self, snap: serialization.Snapshot, store: Storage, relpath: str) -> None:
         try:
-            self._result = snap.write(path, relpath)
+            self._result = snap.write_to(store, relpath)
+            store.sync_dir(posixpath.dirname(relpath))  # the file's name, not only its data
         except BaseException as e:  # reported by status(), never dropped
             self._error = e
 
@@ -63,6 +68,13 @@ class BackgroundWrite:
             raise self._error
         assert self._result is not None
         return [self._result.to_dict()]
+
+    def join(self, timeout_s: float) -> bool:
+        """Wait for the write to end; True if it did (its outcome no longer matters)."""
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            return not self._thread.is_alive()
+        return True
 
 
 class Checkpointable:
@@ -79,27 +91,34 @@ class Checkpointable:
     def validate_state_dict(self, state: Any) -> None:
         return None
 
-    def forge_begin_save(self, step_dir: str, relpath: str, background: bool) -> dict:
+    def forge_begin_save(self, where: StorageSpec, relpath: str, background: bool) -> dict:
         """Snapshot now; write now (sync) or in a thread (background). Returns the snapshot's
         size and, when the write is already done (sync), the written file's record."""
+        pending = getattr(self, "_forge_write", None)
+        if pending is not None and not pending.join(0):
+            raise RuntimeError(f"{type(self).__name__}: the previous background write still runs")
         state = wrap_state(self.state_dict(), rng.capture(self.rng_generators()))
         name = f"{type(self).__name__}[{relpath}]"
         # copy=False is safe in sync mode: the actor runs nothing else until the write ends.
         snap = serialization.snapshot(state, name=name, copy=background)
-        self._forge_write = BackgroundWrite(
-            snap, os.path.join(step_dir, relpath), relpath, background
-        )
+        self._forge_write = BackgroundWrite(snap, open_storage(where), relpath, background)
         return {"nbytes": snap.nbytes, "files": None if background else self.forge_save_status()}
 
     def forge_save_status(self) -> list[dict] | None:
         return self._forge_write.status()
 
+    def forge_abort_save(self, timeout_s: float = 60.0) -> bool:
+        """The step failed elsewhere: wait (bounded) for a background write and forget it, so
+        that the next save starts clean. True if nothing is left running."""
+        pending, self._forge_write = getattr(self, "_forge_write", None), None
+        return pending is None or pending.join(timeout_s)
+
     def forge_prepare_load(
-        self, step_dir: str, records: list[dict], verify: bool, options: dict
+        self, where: StorageSpec, records: list[dict], verify: bool, options: dict
     ) -> None:
         (record,) = (FileRecord.from_dict(r) for r in records)
-        path = os.path.join(step_dir, record.path)
-        data = serialization.load(path, record if verify else None)
+        store = open_storage(where)
+        data = serialization.load_from(store, record.path, record if verify else None)
         self.validate_state_dict(data["state"])
         self._forge_staged = data
 

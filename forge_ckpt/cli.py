@@ -1,14 +1,16 @@
 """`forge-ckpt`: look into checkpoint folders from the shell.
 
-forge-ckpt list FOLDER          steps, committed or not, size, components
+forge-ckpt list FOLDER          steps, committed or not, size, components; quarantined steps
 forge-ckpt inspect STEP_FOLDER  manifest, components, tensor shapes and dtypes
 forge-ckpt verify STEP_FOLDER   every file against its size and crc32c (exit 1 if any fails)
-forge-ckpt gc FOLDER            remove uncommitted steps (takes the folder lock)
+forge-ckpt gc FOLDER            remove uncommitted steps (takes the folder's lease)
+
+FOLDER is a local path or `s3://bucket/prefix` (endpoint and credentials from the AWS
+environment: AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ...); STEP_FOLDER is FOLDER/step-N.
 """
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Any
 
@@ -20,8 +22,8 @@ from rich.tree import Tree
 
 from . import commit, layout
 from .errors import CheckpointCorruptError, CheckpointError
-from .lock import FolderLock
-from .storage import verify_file
+from .lock import Lease
+from .storage import Storage, open_storage
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__.split("\n\n")[0])
 console = Console(soft_wrap=True)  # paths and messages stay on one line, greppable
@@ -29,36 +31,48 @@ if not console.is_terminal:  # piped or captured: wide tables rather than wrappe
     console.width = 200
 
 
-def _size(path: str) -> int:
-    total = 0
-    for root, _, files in os.walk(path):
-        total += sum(os.path.getsize(os.path.join(root, f)) for f in files)
-    return total
+def _size(store: Storage, prefix: str) -> int:
+    return sum(size for _, size in store.walk(prefix))
 
 
 def _mb(n: int) -> str:
     return f"{n / 1e6:,.1f} MB"
 
 
+def _step_of(step_folder: str) -> tuple[Storage, int]:
+    """The checkpoint folder's storage and the step number of `.../step-N`."""
+    folder, _, name = step_folder.rstrip("/").rpartition("/")
+    step = layout.parse_step(name)
+    if step is None:
+        console.print(f"[red]FAIL[/] {escape(step_folder)} is not a step folder (…/step-N)")
+        raise typer.Exit(2)
+    return open_storage(folder or "."), step
+
+
 @app.command("list")
 def list_steps(folder: str) -> None:
-    """Every step folder: committed or not, size on disk, components."""
+    """Every step folder: committed or not, size, components; and quarantined steps."""
+    store = open_storage(folder)
     table = Table("step", "committed", "size", "components", "created")
-    for step in layout.all_steps(folder):
-        path = layout.step_dir(folder, step)
+    for step in layout.all_steps(store):
+        size = _mb(_size(store, layout.step_name(step)))
         try:
-            m = layout.read_committed(path)
+            m = layout.read_committed(store, step)
             comps = ", ".join(f"{k}×{c.replicas}" for k, c in m.components.items())
             created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(m.created))
-            table.add_row(str(step), "[green]yes", _mb(_size(path)), comps, created)
+            table.add_row(str(step), "[green]yes", size, comps, created)
         except CheckpointCorruptError as e:
-            table.add_row(str(step), f"[red]no[/] ({e.problem})", _mb(_size(path)), "", "")
+            table.add_row(str(step), f"[red]no[/] ({escape(e.problem)})", size, "", "")
     console.print(table)
+    for name in layout.quarantined(store):
+        size = _mb(_size(store, f"{layout.QUARANTINE}/{name}"))
+        console.print(f"[yellow]quarantined[/] {layout.QUARANTINE}/{name} ({size}): damaged, "
+                      "passed over by fallback; inspect or delete it")  # fmt: skip
 
 
-def _committed_or_exit(step_folder: str) -> layout.Manifest:
+def _committed_or_exit(store: Storage, step: int) -> layout.Manifest:
     try:
-        return layout.read_committed(step_folder)
+        return layout.read_committed(store, step)
     except CheckpointCorruptError as e:
         console.print(f"[red]FAIL[/] {escape(str(e))}")
         raise typer.Exit(1) from None
@@ -67,11 +81,13 @@ def _committed_or_exit(step_folder: str) -> layout.Manifest:
 @app.command()
 def verify(step_folder: str) -> None:
     """Check every file of a committed step against the manifest; exit 1 on any problem."""
-    manifest = _committed_or_exit(step_folder)
+    store, step = _step_of(step_folder)
+    manifest = _committed_or_exit(store, step)
+    sub = store.sub(layout.step_name(step))
     bad = 0
     for rec in manifest.files:
         try:
-            verify_file(os.path.join(step_folder, rec.path), rec)
+            sub.verify(rec.path, rec)
             console.print(f"[green]ok[/]   {rec.path} ({_mb(rec.size)}, crc32c {rec.crc32c})")
         except CheckpointCorruptError as e:
             bad += 1
@@ -87,7 +103,9 @@ def inspect(step_folder: str) -> None:
     """Manifest, components and the shapes and dtypes of what each file holds."""
     from . import serialization
 
-    manifest = _committed_or_exit(step_folder)
+    store, step = _step_of(step_folder)
+    manifest = _committed_or_exit(store, step)
+    sub = store.sub(layout.step_name(step))
     console.print(
         f"step {manifest.step}  format v{manifest.format_version}  "
         f"{_mb(manifest.nbytes)}  fingerprint {manifest.fingerprint}"
@@ -98,14 +116,12 @@ def inspect(step_folder: str) -> None:
         node = root.add(f"[bold]{name}[/] ({comp.kind}, {comp.replicas}×, {comp.seconds:.2f}s)")
         for rec in comp.files:
             leaf = node.add(f"{rec.path}  {_mb(rec.size)}")
-            full = os.path.join(step_folder, rec.path)
             try:
                 if rec.path.endswith(".msgpack"):
-                    verify_file(full, rec)
-                    _tree(leaf, serialization.describe(full))
+                    sub.verify(rec.path, rec)
+                    _tree(leaf, serialization.describe_from(sub, rec.path))
                 elif rec.path == ".metadata":
-                    verify_file(full, rec)  # a pickle: only opened once it matches the manifest
-                    _dcp_tree(leaf, step_folder)
+                    _dcp_tree(leaf, sub, rec)  # a pickle: only opened through the allowlist
             except CheckpointError as e:
                 leaf.add(f"[red]{escape(str(e))}")
     console.print(root)
@@ -129,11 +145,12 @@ def _short(v: Any) -> str:
     return text if len(text) < 100 else text[:97] + "..."
 
 
-def _dcp_tree(node: Tree, step_folder: str) -> None:
-    from torch.distributed.checkpoint import FileSystemReader
+def _dcp_tree(node: Tree, store: Storage, rec: Any) -> None:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    meta = FileSystemReader(step_folder).read_metadata()
+    from .dcp_metadata import load_metadata
+
+    meta = load_metadata(store.read_verified(rec.path, rec), store.where(rec.path))
     for key, md in sorted(meta.state_dict_metadata.items()):
         if isinstance(md, TensorStorageMetadata):
             node.add(
@@ -146,16 +163,17 @@ def _dcp_tree(node: Tree, step_folder: str) -> None:
 @app.command()
 def gc(folder: str) -> None:
     """Remove steps that were never committed (leftovers of crashed saves)."""
-    lock = FolderLock(folder)
+    store = open_storage(folder)
+    lease = Lease(store, ttl_s=60.0)
     try:
-        lock.acquire()
+        lease.acquire()
     except CheckpointError as e:
         console.print(f"[red]{escape(str(e))}")
         raise typer.Exit(1) from None
     try:
-        removed = commit.remove_uncommitted(folder)
+        removed = commit.remove_uncommitted(store)
     finally:
-        lock.release()
+        lease.release()
     console.print(
         f"removed {len(removed)} uncommitted step(s): {removed}" if removed else "nothing to remove"
     )

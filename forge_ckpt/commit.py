@@ -1,73 +1,91 @@
 """The commit protocol and retention: the only code that makes a step visible or removes one.
 
-Save:   prepare_step (fresh empty folder) -> components write + fsync their own files ->
-        commit_step: check every reported file, write manifest (atomic), fsync folders,
-        write COMMIT (atomic, last). A crash before COMMIT's rename leaves no step.
-Delete: COMMIT first (and fsync the folder), then the rest, so a half-deleted step is never
-        loadable. Retention runs only after a newer step is committed and never removes the
-        newest committed step.
+Save:   prepare_step (fresh empty step) -> components write their own files durably and report
+        them (path, size, crc32c) -> commit_step: from those records alone (the driver never
+        lists or stats what others wrote: on another node it may not even see their disk),
+        create the manifest, then create COMMIT last. Both are create-if-absent: on a POSIX
+        folder temp file + fsync + link + fsync(folder), on S3 `If-None-Match: *`. Of two
+        writers committing the same step exactly one wins; a crash before COMMIT leaves no step.
+Delete: COMMIT first (made durable), then the rest, so a half-deleted step is never loadable.
+        Retention runs only after a newer step is committed and never removes the newest.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import shutil
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from . import layout
 from .errors import CheckpointSaveError
-from .storage import atomic_write, fsync_dir
+from .storage import AlreadyExistsError, Storage, crc32c_of_bytes
 
 log = logging.getLogger("forge_ckpt")
 
 
-def prepare_step(folder: str, step: int) -> str:
-    """Create an empty `step-N/` (with `actors/` and `trainer/`) for components to write into.
+def prepare_step(store: Storage, step: int) -> None:
+    """An empty `step-N/` (with `actors/` and `trainer/` on POSIX) for components to write.
 
     Components never create the step folder themselves: a component that outlives an aborted
     save cannot recreate a folder that was removed.
     """
-    path = layout.step_dir(folder, step)
-    if os.path.exists(path):
-        if step in layout.marked_steps(folder):
+    name = layout.step_name(step)
+    if layout.all_steps(store).count(step):
+        if store.exists(f"{name}/{layout.MARKER}"):
             raise CheckpointSaveError(
-                f"step {step} is already committed at {path}; save a different step number"
+                f"step {step} is already committed at {store.where(name)}; save a different "
+                "step number"
             )
-        log.warning("removing uncommitted leftover %s before saving step %d", path, step)
-        remove_step(path)
-    os.makedirs(os.path.join(path, "actors"))
-    os.makedirs(os.path.join(path, layout.TRAINER))
-    fsync_dir(folder)
-    return path
+        log.warning("removing uncommitted leftover %s before saving step %d", name, step)
+        remove_step(store, step)
+    store.makedirs(f"{name}/{layout.ACTORS}")
+    store.makedirs(f"{name}/{layout.TRAINER}")
 
 
-def commit_step(path: str, manifest: layout.Manifest) -> None:
-    """Make a fully written step visible. Every component's files must already be fsynced."""
-    for rec in manifest.files:
-        full = os.path.join(path, rec.path)
-        try:
-            size = os.path.getsize(full)
-        except FileNotFoundError:
-            raise CheckpointSaveError(f"{full} was reported written but does not exist") from None
-        if size != rec.size:
-            raise CheckpointSaveError(f"{full} has {size} bytes, its writer reported {rec.size}")
-    for sub in ("actors", layout.TRAINER, ""):
-        fsync_dir(os.path.join(path, sub))
-    crc = atomic_write(os.path.join(path, layout.MANIFEST), manifest.to_bytes())
-    atomic_write(os.path.join(path, layout.MARKER), layout.marker_bytes(manifest.step, crc))
-    fsync_dir(os.path.dirname(path))
+def commit_step(
+    store: Storage, manifest: layout.Manifest, fence: Callable[[], None] | None = None
+) -> None:
+    """Make a fully written step visible. Every component's files must already be durable.
+
+    `fence` runs right before the marker (the lease renewal): it raises if this writer lost
+    the folder to another, which then must not see a commit of ours appear.
+    """
+    name = layout.step_name(manifest.step)
+    for sub in (layout.ACTORS, layout.TRAINER, ""):
+        store.sync_dir(f"{name}/{sub}" if sub else name)
+    data = manifest.to_bytes()
+    try:
+        store.create(f"{name}/{layout.MANIFEST}", data)
+        if fence is not None:
+            fence()
+        marker = layout.marker_bytes(manifest.step, crc32c_of_bytes(data), manifest.generation)
+        store.create(f"{name}/{layout.MARKER}", marker)
+    except AlreadyExistsError as e:
+        raise CheckpointSaveError(
+            f"step {manifest.step}: another writer is committing the same step ({e}); "
+            "only one job may write a checkpoint folder"
+        ) from None
+    store.sync_dir("")
 
 
-def remove_step(path: str) -> None:
-    """Remove a step folder, marker first, so that it is never seen half-deleted."""
-    marker = os.path.join(path, layout.MARKER)
-    if os.path.exists(marker):
-        os.unlink(marker)
-        fsync_dir(path)
-    shutil.rmtree(path, ignore_errors=True)
-    if os.path.exists(path):
-        shutil.rmtree(path)  # second try raises with the reason
+def remove_step(store: Storage, step: int) -> None:
+    """Remove a step, marker first, so that it is never seen half-deleted."""
+    name = layout.step_name(step)
+    store.delete(f"{name}/{layout.MARKER}")  # durable before anything else goes
+    store.delete_prefix(name)
+
+
+def quarantine_step(store: Storage, step: int) -> str:
+    """Move a damaged committed step aside (kept for inspection, reported by `forge-ckpt
+    list`), so that the same step number can be committed again."""
+    dest = f"{layout.QUARANTINE}/{layout.step_name(step)}.{int(time.time())}"
+    store.makedirs(layout.QUARANTINE)
+    store.move_prefix(
+        layout.step_name(step), dest, first=f"{layout.step_name(step)}/{layout.MARKER}"
+    )
+    log.warning("moved damaged step %d to %s", step, store.where(dest))
+    return dest
 
 
 @dataclass(frozen=True)
@@ -86,30 +104,39 @@ class RetentionPolicy:
         return [s for s in committed if s not in keep]
 
 
-def apply_retention(folder: str, policy: RetentionPolicy) -> list[int]:
+def apply_retention(store: Storage, policy: RetentionPolicy) -> list[int]:
     """Delete committed steps the policy does not keep; returns the steps removed."""
-    removed = policy.to_delete(layout.committed_steps(folder))
+    removed = policy.to_delete(layout.committed_steps(store))
     for step in removed:
-        remove_step(layout.step_dir(folder, step))
+        remove_step(store, step)
         log.info("retention: removed step %d", step)
     return removed
 
 
-def remove_uncommitted(folder: str) -> list[int]:
-    """Remove leftovers of crashed saves (steps without a COMMIT file). Call only while
-    holding the folder lock. Committed steps whose marker or manifest is damaged stay: they
-    are reported by load() and `forge-ckpt verify`, not silently deleted."""
-    marked = set(layout.marked_steps(folder))
-    leftovers = [s for s in layout.all_steps(folder) if s not in marked]
+def retire_after(store: Storage, step: int) -> list[int]:
+    """Remove every step newer than `step` (marker first): the abandoned branch of a rollback."""
+    newer = [s for s in layout.all_steps(store) if s > step]
+    for s in newer:
+        remove_step(store, s)
+        log.warning("rollback to step %d: retired step %d of the abandoned branch", step, s)
+    return newer
+
+
+def remove_uncommitted(store: Storage) -> list[int]:
+    """Remove leftovers of crashed saves (steps without a COMMIT, temp files, unfinished
+    multipart uploads). Call only while holding the folder's lease. Committed steps whose
+    marker or manifest is damaged stay: load() and `forge-ckpt verify` report them."""
+    marked = set(layout.marked_steps(store))
+    leftovers = [s for s in layout.all_steps(store) if s not in marked]
     for step in leftovers:
-        path = layout.step_dir(folder, step)
         try:
-            remove_step(path)
+            remove_step(store, step)
         except OSError as e:  # it has no marker: harmless for load; a save of N says so
-            log.warning("could not remove uncommitted leftover %s: %s", path, e)
+            log.warning("could not remove uncommitted leftover step-%d: %s", step, e)
             continue
         log.warning("removed uncommitted leftover step-%d (a save that never committed)", step)
-    for name in os.listdir(folder) if os.path.isdir(folder) else []:
+    for name in store.list(""):
         if ".tmp." in name:
-            os.unlink(os.path.join(folder, name))
+            store.delete(name)
+    store.abort_uploads("")
     return leftovers

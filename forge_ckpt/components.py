@@ -1,21 +1,24 @@
-"""Driver-side handles on what the coordinator saves: one `Unit` per actor replica or trainer rank.
+"""Driver-side handles on what the coordinator saves: a `Group` per registered component (the
+trainer's ranks or an actor's replicas) made of `Unit`s, one per rank or replica.
 
-The coordinator talks to every unit through the same five async calls; `RemoteUnit` forwards
-them to an actor that writes its own files (a `Checkpointable` actor or a trainer rank), and
-`PlainUnit` adapts an actor that only has `state_dict`/`load_state_dict` by doing the file I/O
-in the driver.
+The coordinator talks to every unit through the same calls and asks each group what it
+differs in and what each of its units must load; it never needs to know which is the trainer.
+`RemoteUnit` forwards the calls to an actor that writes its own files (a `Checkpointable`
+actor or a trainer rank); `PlainUnit` adapts an actor that only has
+`state_dict`/`load_state_dict` by doing the file I/O in the driver.
 """
 
 from __future__ import annotations
 
 import asyncio
-import os
+import posixpath
 from dataclasses import dataclass
 from typing import Any
 
-from . import serialization
+from . import layout, serialization
 from .actor import wrap_state
-from .storage import FileRecord
+from .errors import CheckpointMismatchError
+from .storage import FileRecord, StorageSpec, open_storage
 
 PROTOCOL_METHOD = "forge_begin_save"
 
@@ -25,13 +28,8 @@ class Unit:
     name: str  # component name; "trainer" for trainer ranks
     index: int  # replica index or rank
     handle: Any
-    relpath: str  # actor file; "" for trainer ranks (they name their own files)
-
-    @property
-    def label(self) -> str:
-        if self.name == "trainer":
-            return f"trainer rank {self.index}"
-        return f"actor {self.name!r} replica {self.index}"
+    relpath: str  # the actor's file; "" for trainer ranks (they name their own files)
+    label: str = ""
 
 
 class RemoteUnit(Unit):
@@ -39,9 +37,9 @@ class RemoteUnit(Unit):
 
     _files: list[FileRecord] | None = None  # reported by a synchronous begin
 
-    async def begin(self, step_dir: str, background: bool) -> int:
+    async def begin(self, where: StorageSpec, background: bool) -> int:
         self._files = None
-        res = await self.handle.forge_begin_save.remote(step_dir, self.relpath, background)
+        res = await self.handle.forge_begin_save.remote(where, self.relpath, background)
         # A synchronous write reports its files with the size: no second round trip (with
         # many actors, one round of calls to all of them costs tens of milliseconds).
         files = res.get("files")
@@ -55,9 +53,15 @@ class RemoteUnit(Unit):
         recs = await self.handle.forge_save_status.remote()
         return None if recs is None else [FileRecord.from_dict(r) for r in recs]
 
-    async def prepare(self, step_dir: str, records: list[FileRecord], verify: bool, options: dict):
+    async def abort_save(self, timeout_s: float) -> None:
+        self._files = None
+        await self.handle.forge_abort_save.remote(timeout_s)
+
+    async def prepare(
+        self, where: StorageSpec, records: list[FileRecord], verify: bool, options: dict
+    ) -> None:
         dicts = [r.to_dict() for r in records]
-        await self.handle.forge_prepare_load.remote(step_dir, dicts, verify, options)
+        await self.handle.forge_prepare_load.remote(where, dicts, verify, options)
 
     async def apply(self) -> None:
         await self.handle.forge_apply_load.remote()
@@ -72,15 +76,20 @@ class PlainUnit(Unit):
     _write: asyncio.Task | None = None
     _staged: Any = None
 
-    async def begin(self, step_dir: str, background: bool) -> int:
+    async def begin(self, where: StorageSpec, background: bool) -> int:
         state = await self.handle.state_dict.remote()
         # The object arrived through Ray: it is already a private copy, no snapshot copy needed.
         snap = serialization.snapshot(wrap_state(state), name=self.name, copy=False)
-        path = os.path.join(step_dir, self.relpath)
-        self._write = asyncio.create_task(asyncio.to_thread(snap.write, path, self.relpath))
+        self._write = asyncio.create_task(asyncio.to_thread(self._persist, snap, where))
         if not background:
             await asyncio.shield(self._write)
         return snap.nbytes
+
+    def _persist(self, snap: serialization.Snapshot, where: StorageSpec) -> FileRecord:
+        store = open_storage(where)
+        rec = snap.write_to(store, self.relpath)
+        store.sync_dir(posixpath.dirname(self.relpath))
+        return rec
 
     async def status(self) -> list[FileRecord] | None:
         assert self._write is not None
@@ -88,10 +97,18 @@ class PlainUnit(Unit):
             return None
         return [self._write.result()]
 
-    async def prepare(self, step_dir: str, records: list[FileRecord], verify: bool, options: dict):
+    async def abort_save(self, timeout_s: float) -> None:
+        write, self._write = self._write, None
+        if write is not None:
+            await asyncio.wait([write], timeout=timeout_s)
+
+    async def prepare(
+        self, where: StorageSpec, records: list[FileRecord], verify: bool, options: dict
+    ) -> None:
         (record,) = records
-        path = os.path.join(step_dir, record.path)
-        self._staged = await asyncio.to_thread(serialization.load, path, record if verify else None)
+        store = open_storage(where)
+        load = serialization.load_from
+        self._staged = await asyncio.to_thread(load, store, record.path, record if verify else None)
 
     async def apply(self) -> None:
         staged, self._staged = self._staged, None
@@ -101,14 +118,88 @@ class PlainUnit(Unit):
         self._staged = None
 
 
-def make_unit(name: str, index: int, handle: Any, relpath: str) -> Unit:
+LoadPlan = list[tuple[Unit, list[FileRecord], dict[str, Any]]]
+
+
+class Group:
+    """An actor registered under one name, with its replicas (kept apart: replica i saves and
+    loads file i)."""
+
+    kind = "actor"
+    members = "replicas"
+
+    def __init__(self, name: str, units: list[Unit]) -> None:
+        self.name, self.units = name, units
+
+    def differences(self, saved: layout.Component) -> list[str]:
+        if saved.replicas != len(self.units):
+            return [
+                f"{self.name}: {self.members} changed: checkpoint={saved.replicas}, "
+                f"current={len(self.units)}"
+            ]
+        return []
+
+    def plan(self, saved: layout.Component, exclude: set[str]) -> LoadPlan:
+        by_path = {f.path: f for f in saved.files}
+        missing = [u for u in self.units if u.relpath not in by_path]
+        if missing:
+            raise CheckpointMismatchError(
+                [
+                    f"{self.name}: the checkpoint holds no file for replica(s) "
+                    f"{[u.index for u in missing]} (it has {saved.replicas} replica(s))"
+                ],
+                "register as many replicas as were saved",
+            )
+        return [(u, [by_path[u.relpath]], {}) for u in self.units]
+
+
+class TrainerGroup(Group):
+    """The trainer's ranks: every rank reads the DCP files it needs (DCP reshards across world
+    sizes); each rank's RNG file is restored only when the world size is unchanged."""
+
+    kind = "trainer"
+    members = "trainer ranks"
+
+    def plan(self, saved: layout.Component, exclude: set[str]) -> LoadPlan:
+        same_shape = saved.replicas == len(self.units)
+        load_optimizer = "optimizer" not in exclude
+        return [
+            (
+                u,
+                saved.files,
+                {
+                    "load_optimizer": load_optimizer,
+                    "rank_file": layout.trainer_rank_file(u.index) if same_shape else None,
+                },
+            )
+            for u in self.units
+        ]
+
+
+def make_unit(name: str, index: int, handle: Any, relpath: str, label: str) -> Unit:
     """A RemoteUnit when the actor implements the protocol, else a PlainUnit."""
     if hasattr(handle, PROTOCOL_METHOD):
-        return RemoteUnit(name, index, handle, relpath)
+        return RemoteUnit(name, index, handle, relpath, label)
     for method in ("state_dict", "load_state_dict"):
         if not hasattr(handle, method):
             raise TypeError(
                 f"actor {name!r} has no {method}() method: give it state_dict() and "
                 "load_state_dict(state), or inherit forge_ckpt.Checkpointable"
             )
-    return PlainUnit(name, index, handle, relpath)
+    return PlainUnit(name, index, handle, relpath, label)
+
+
+def actor_group(name: str, handles: list[Any]) -> Group:
+    return Group(
+        name,
+        [
+            make_unit(name, i, h, layout.actor_file(name, i), f"actor {name!r} replica {i}")
+            for i, h in enumerate(handles)
+        ],
+    )
+
+
+def trainer_group(handles: list[Any]) -> TrainerGroup:
+    name = layout.TRAINER
+    units = [make_unit(name, r, h, "", f"trainer rank {r}") for r, h in enumerate(handles)]
+    return TrainerGroup(name, units)

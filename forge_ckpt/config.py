@@ -3,23 +3,33 @@
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import yaml
 
 from .commit import RetentionPolicy
+from .storage import StorageSpec, normalize_url
 
 
 @dataclass
 class CheckpointConfig:
     """How and where a job checkpoints.
 
-    folder: where `step-N/` folders go (one job per folder: it is locked).
+    folder: where `step-N/` folders go: a local path (made absolute here, in the driver, so
+        every actor sees the same place), `file://...` or `s3://bucket/prefix`. One job per
+        folder: it holds a lease on it.
+    storage_options: for `s3://` folders: endpoint_url, region_name, aws_access_key_id,
+        aws_secret_access_key, profile_name, part_size_mb, max_concurrency, max_attempts,
+        connect_timeout_s, read_timeout_s (see docs/storage.md). Unset keys come from the AWS
+        environment and config files. Never printed.
+    lease_ttl_s: how long the folder's lease lasts without renewal; a dead job on another
+        machine blocks the folder at most this long (on this machine: not at all).
     keep_last / keep_every: retention; `keep_last=None` keeps everything.
     async_mode: "sync" blocks `save()` until the commit; "async" returns once every component
         holds an in-memory snapshot and persists in the background.
     save_timeout_s / load_timeout_s: a component that takes longer is treated as failed.
+    abort_timeout_s: after a failed save, how long each unit may take to stop its write.
     verify_on_load: check every file's crc32c before anything is loaded (DCP's `.metadata` is
         a pickle: never open one that does not match the manifest).
     fallback: on a corrupt newest step, load the newest intact committed one instead.
@@ -36,16 +46,27 @@ class CheckpointConfig:
     verify_on_load: bool = True
     fallback: bool = False
     fingerprint: str | None = None
+    storage_options: dict[str, Any] = field(default_factory=dict, repr=False)
+    lease_ttl_s: float = 60.0
+    abort_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
+        self.folder = normalize_url(str(self.folder))
         if self.async_mode not in ("sync", "async"):
             raise ValueError(f"async_mode must be 'sync' or 'async', got {self.async_mode!r}")
         if self.keep_last is not None and self.keep_last < 1:
             raise ValueError(f"keep_last must be >= 1 or None, got {self.keep_last}")
         if self.keep_every is not None and self.keep_every < 1:
             raise ValueError(f"keep_every must be >= 1 or None, got {self.keep_every}")
-        if self.save_timeout_s <= 0 or self.load_timeout_s <= 0:
+        if (
+            min(self.save_timeout_s, self.load_timeout_s, self.lease_ttl_s, self.abort_timeout_s)
+            <= 0
+        ):
             raise ValueError("timeouts must be positive")
+
+    @property
+    def storage(self) -> StorageSpec:
+        return StorageSpec(self.folder, dict(self.storage_options))
 
     @property
     def retention(self) -> RetentionPolicy:

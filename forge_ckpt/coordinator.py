@@ -1,15 +1,21 @@
 """`CheckpointCoordinator`: saves the trainer and every registered actor as one atomic step.
 
-Reads top to bottom: registration, save (snapshot phase, persist phase, commit, retention),
-load (choose a step, check it matches the job, prepare every unit, then apply), and the
-helpers that turn a failed unit into an error that names it.
+Reads top to bottom: opening the folder (lease, crash leftovers), registration, save
+(snapshot phase, persist phase, commit, retention; abort on failure), load (choose a step,
+check it matches the job, prepare every unit, then apply), and lifetime.
+
+Timelines: "newest" is the step committed last. Step numbers only grow along a timeline, so
+the newest is also the highest number, with one exception that the coordinator resolves: after
+`load(step=K)` with newer steps in the folder (a rollback), the first save retires those
+newer steps (marker first) before it commits, so the abandoned branch can never be resumed
+or outlive the new branch in retention.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import os
+import threading
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -18,7 +24,7 @@ from typing import Any
 import torch
 
 from . import __version__, commit, layout
-from .components import Unit, make_unit
+from .components import Group, LoadPlan, Unit, actor_group, trainer_group
 from .config import CheckpointConfig
 from .errors import (
     CheckpointCorruptError,
@@ -26,7 +32,9 @@ from .errors import (
     CheckpointMismatchError,
     CheckpointSaveError,
 )
-from .lock import FolderLock
+from .lock import Lease
+from .remote_errors import describe, failure_error, save_error
+from .storage import FileRecord, open_storage
 
 log = logging.getLogger("forge_ckpt")
 
@@ -58,37 +66,40 @@ class CheckpointCoordinator:
 
     def __init__(self, config: CheckpointConfig) -> None:
         self.config = config
-        self._lock = FolderLock(config.folder)
+        self.store = open_storage(config.storage)
+        self._lease = Lease(self.store, config.lease_ttl_s)
         try:
-            os.makedirs(config.folder, exist_ok=True)
-            self._lock.acquire()
-            commit.remove_uncommitted(config.folder)
+            self.store.makedirs("")
+            self._lease.acquire()
+            commit.remove_uncommitted(self.store)
         except OSError as e:
-            self._lock.release()
+            self._lease.release()
             raise CheckpointError(
                 f"cannot open checkpoint folder {config.folder}: {e}. The folder must be "
-                "writable by this job (it takes a lock and removes crash leftovers)"
+                "writable by this job (it takes a lease and removes crash leftovers)"
             ) from e
         except BaseException:
-            self._lock.release()
+            self._lease.release()
             raise
-        self._trainer: list[Unit] = []
-        self._actors: dict[str, list[Unit]] = {}
+        self._groups: dict[str, Group] = {}
         self._pending: asyncio.Task | None = None
+        self._branch_from: int | None = None  # set by a load of an older step (rollback)
+        self._commit_lock = threading.Lock()  # close() never releases the lease mid-commit
+        self._closed = False
 
     # ---- registration -------------------------------------------------------------------
 
     def set_trainer(self, trainer: Any | Sequence[Any]) -> None:
         """One trainer actor, or the rank actors of one torch.distributed job (in rank order)."""
         ranks = list(trainer) if isinstance(trainer, (list, tuple)) else [trainer]
-        self._trainer = [make_unit(layout.TRAINER, r, h, "") for r, h in enumerate(ranks)]
+        self._groups[layout.TRAINER] = trainer_group(ranks)
 
     def register(self, name: str, actor: Any | Sequence[Any], replace: bool = False) -> None:
         """An actor with state_dict/load_state_dict; a list registers replicas (kept apart).
 
         `replace=True` swaps in a restarted actor under a name already registered."""
         layout.check_name(name)
-        if name in self._actors and not replace:
+        if name in self._groups and not replace:
             raise ValueError(
                 f"a component named {name!r} is already registered; pass replace=True to swap "
                 "in a restarted actor"
@@ -96,15 +107,10 @@ class CheckpointCoordinator:
         handles = list(actor) if isinstance(actor, (list, tuple)) else [actor]
         if not handles:
             raise ValueError(f"register({name!r}, []) needs at least one actor")
-        self._actors[name] = [
-            make_unit(name, i, h, layout.actor_file(name, i)) for i, h in enumerate(handles)
-        ]
+        self._groups[name] = actor_group(name, handles)
 
-    def _components(self) -> dict[str, list[Unit]]:
-        comps = dict(self._actors)
-        if self._trainer:
-            comps[layout.TRAINER] = self._trainer
-        return comps
+    def _units(self) -> list[Unit]:
+        return [u for g in self._groups.values() for u in g.units]
 
     # ---- save ---------------------------------------------------------------------------
 
@@ -112,23 +118,26 @@ class CheckpointCoordinator:
         """Save every component at `step` and commit. Sync mode: returns after the commit.
         Async mode: returns once every component holds its snapshot; `wait()` flushes."""
         await self.wait()
-        if step in self.steps():
-            log.warning("step %d is already committed; nothing to save", step)
-            return SaveResult(step, layout.step_dir(self.config.folder, step), committed=True)
+        self._check_open()
+        where = self.config.storage.child(layout.step_name(step))
+        if await asyncio.to_thread(self._skip_or_branch, step):
+            return SaveResult(step, where.url, committed=True)
         background = self.config.async_mode == "async"
         start = time.perf_counter()
         try:
-            path = await asyncio.to_thread(commit.prepare_step, self.config.folder, step)
+            await asyncio.to_thread(commit.prepare_step, self.store, step)
         except OSError as e:
-            await _discard(layout.step_dir(self.config.folder, step))
-            raise self._save_error(step, [f"creating the step folder: {_describe(e)}"]) from e
-        units = [u for us in self._components().values() for u in us]
+            await self._discard(step)
+            raise save_error(
+                self._newest(), step, [f"creating the step folder: {describe(e)}"]
+            ) from e
+        units = self._units()
         try:
-            nbytes = await self._all(units, lambda u: u.begin(path, background), step, "snapshot")
-        except BaseException:
-            await _discard(path)
+            nbytes = await self._all(units, lambda u: u.begin(where, background), step, "snapshot")
+        except BaseException as e:
+            await self._abort(units, step, e)
             raise
-        result = SaveResult(step, path, sum(nbytes), blocked_s=time.perf_counter() - start)
+        result = SaveResult(step, where.url, sum(nbytes), blocked_s=time.perf_counter() - start)
         finish = self._finish_save(result, units, start, extra)
         if not background:
             return await finish
@@ -136,17 +145,34 @@ class CheckpointCoordinator:
         self._pending.add_done_callback(_log_background_failure)
         return result
 
+    def _skip_or_branch(self, step: int) -> bool:
+        """True if `step` is already committed; retires an abandoned branch first."""
+        if self._branch_from is not None and step > self._branch_from:
+            commit.retire_after(self.store, self._branch_from)
+            self._branch_from = None
+        committed = layout.committed_steps(self.store)
+        if step in committed:
+            log.warning("step %d is already committed; nothing to save", step)
+            return True
+        if committed and step < committed[-1]:
+            raise CheckpointSaveError(
+                f"cannot save step {step}: step {committed[-1]} is newer in "
+                f"{self.config.folder}. To branch from an older step, load(step=...) it first "
+                "(the newer steps are then retired at the next save)"
+            )
+        return False
+
     async def _finish_save(
         self, result: SaveResult, units: list[Unit], start: float, extra: Any
     ) -> SaveResult:
         try:
             records = await self._persisted(units, result, start)
             manifest = self._manifest(result.step, records, result.seconds, extra)
-            await asyncio.to_thread(commit.commit_step, result.path, manifest)
+            await asyncio.to_thread(self._commit, manifest)
         except BaseException as e:
-            await _discard(result.path)
+            await self._abort(units, result.step, e)
             if isinstance(e, (OSError, ValueError)):
-                raise self._save_error(result.step, [f"commit: {_describe(e)}"]) from e
+                raise save_error(self._newest(), result.step, [f"commit: {describe(e)}"]) from e
             raise
         result.nbytes = manifest.nbytes
         result.total_s = time.perf_counter() - start
@@ -154,16 +180,21 @@ class CheckpointCoordinator:
         log.info(
             "committed step %d: %.1f MB in %.2fs", result.step, result.nbytes / 1e6, result.total_s
         )
-        removed = await asyncio.to_thread(
-            commit.apply_retention, self.config.folder, self.config.retention
-        )
+        removed = await asyncio.to_thread(commit.apply_retention, self.store, self.config.retention)
         if removed:
             log.info("retention removed steps %s", removed)
         return result
 
-    async def _persisted(self, units: list[Unit], result: SaveResult, start: float):
+    def _commit(self, manifest: layout.Manifest) -> None:
+        with self._commit_lock:
+            self._check_open()
+            commit.commit_step(self.store, manifest, fence=self._lease.renew)
+
+    async def _persisted(
+        self, units: list[Unit], result: SaveResult, start: float
+    ) -> dict[tuple[str, int], list[FileRecord]]:
         """Poll every unit until its files are durable; a unit never blocks its actor meanwhile."""
-        records: dict[tuple[str, int], list] = {}
+        records: dict[tuple[str, int], list[FileRecord]] = {}
         delay = 0.002
         while len(records) < len(units):
             waiting = [u for u in units if (u.name, u.index) not in records]
@@ -174,7 +205,8 @@ class CheckpointCoordinator:
                     result.seconds[u.name] = time.perf_counter() - start
             if time.perf_counter() - start > self.config.save_timeout_s:
                 late = [u.label for u in units if (u.name, u.index) not in records]
-                raise self._save_error(
+                raise save_error(
+                    self._newest(),
                     result.step,
                     [f"{x}: still writing after {self.config.save_timeout_s:.0f}s" for x in late],
                 )
@@ -185,10 +217,13 @@ class CheckpointCoordinator:
 
     def _manifest(self, step: int, records: dict, seconds: dict, extra: Any) -> layout.Manifest:
         comps = {}
-        for name, units in self._components().items():
-            files = [f for u in units for f in records[(name, u.index)]]
-            kind = "trainer" if name == layout.TRAINER else "actor"
-            comps[name] = layout.Component(kind, len(units), files, seconds.get(name, 0.0))
+        for name, group in self._groups.items():
+            files = [f for u in group.units for f in records[(name, u.index)]]
+            for f in files:  # what a unit reported must stay inside the step folder
+                layout.check_relpath(f.path, f"{name}'s report")
+            comps[name] = layout.Component(
+                group.kind, len(group.units), files, seconds.get(name, 0.0)
+            )
         return layout.Manifest(
             step=step,
             components=comps,
@@ -196,7 +231,34 @@ class CheckpointCoordinator:
             fingerprint=self.config.fingerprint,
             versions={"forge_ckpt": __version__, "torch": torch.__version__},
             created=time.time(),
+            generation=self._lease.generation,
         )
+
+    async def _abort(self, units: list[Unit], step: int, error: BaseException) -> None:
+        """Stop every unit's part of a failed save (a trainer rank joins its background write,
+        so the next save and load find it idle), then remove the step's files. Units that
+        failed or hung are not asked: a hung actor would answer only after its hang."""
+        failed = getattr(error, "failed_units", set())
+        units = [u for u in units if u.label not in failed]
+        timeout = self.config.abort_timeout_s
+        calls = [asyncio.wait_for(u.abort_save(timeout), timeout + 5) for u in units]
+        results = await asyncio.gather(*calls, return_exceptions=True)
+        for u, r in zip(units, results, strict=True):
+            if isinstance(r, BaseException) and not isinstance(r, asyncio.CancelledError):
+                log.debug("abort of %s: %s", u.label, r)
+        await self._discard(step)
+
+    async def _discard(self, step: int) -> None:
+        """Remove an aborted step's files; a failure here must not hide the save's own error."""
+        try:
+            await asyncio.to_thread(commit.remove_step, self.store, step)
+        except OSError as e:
+            log.warning(
+                "could not remove aborted step %d (%s); it is not committed and will be "
+                "removed at the next start",
+                step,
+                e,
+            )
 
     async def wait(self) -> SaveResult | None:
         """Wait for a background save; raises its error if it failed (never dropped)."""
@@ -208,8 +270,14 @@ class CheckpointCoordinator:
     # ---- load ---------------------------------------------------------------------------
 
     def steps(self) -> list[int]:
-        """Committed steps, ascending."""
-        return layout.committed_steps(self.config.folder)
+        """Committed steps, ascending (the last one is the newest)."""
+        return layout.committed_steps(self.store)
+
+    def _newest(self) -> int | None:
+        try:
+            return (self.steps() or [None])[-1]
+        except OSError:
+            return None
 
     async def load(
         self, step: int | None = None, exclude: Iterable[str] = (), allow_mismatch: bool = False
@@ -217,11 +285,13 @@ class CheckpointCoordinator:
         """Restore the newest committed step (or `step`) into every registered component.
 
         Returns None on a folder without committed steps. `exclude` skips components by name;
-        "optimizer" keeps the trainer's fresh optimizer (weights-only fine-tuning).
+        "optimizer" keeps the trainer's fresh optimizer (weights-only fine-tuning). With
+        `fallback`, a damaged step is moved to `quarantine/` and the next older one loaded.
         """
         await self.wait()
+        self._check_open()
         exclude = set(exclude)
-        marked = layout.marked_steps(self.config.folder)  # damaged ones are reported, not skipped
+        marked = await asyncio.to_thread(layout.marked_steps, self.store)
         if step is not None and step not in marked:
             raise CheckpointError(
                 f"step {step} is not a committed step in {self.config.folder}; "
@@ -232,81 +302,62 @@ class CheckpointCoordinator:
             candidates = candidates[:1]
         for n, candidate in enumerate(candidates):
             try:
-                return await self._load_step(candidate, exclude, allow_mismatch)
+                loaded = await self._load_step(candidate, exclude, allow_mismatch)
             except CheckpointCorruptError as e:
                 if n + 1 == len(candidates):
                     raise
-                log.warning(
-                    "step %d is corrupt (%s); falling back to step %d",
-                    candidate,
-                    e,
-                    candidates[n + 1],
-                )
+                log.warning("step %d is corrupt (%s); falling back to step %d", candidate, e,
+                            candidates[n + 1])  # fmt: skip
+                await asyncio.to_thread(commit.quarantine_step, self.store, candidate)
+                continue
+            newest = marked[-1] if marked else None
+            self._branch_from = loaded.step if newest is not None and loaded.step < newest else None
+            return loaded
         return None
 
     async def _load_step(self, step: int, exclude: set[str], allow_mismatch: bool) -> LoadResult:
-        path = layout.step_dir(self.config.folder, step)
-        manifest = layout.read_committed(path)
-        reshard = self._check_matches(manifest, exclude, allow_mismatch)
-        plan = []
-        for name, units in self._components().items():
-            if name in exclude:
-                continue
-            comp = manifest.components[name]
-            for u in units:
-                plan.append((u, *self._load_args(u, comp, exclude, reshard)))
+        where = self.config.storage.child(layout.step_name(step))
+        manifest = await asyncio.to_thread(layout.read_committed, self.store, step)
+        self._check_matches(manifest, exclude, allow_mismatch)
+        plan: LoadPlan = []
+        for name, group in self._groups.items():
+            if name not in exclude and name in manifest.components:
+                plan += group.plan(manifest.components[name], exclude)
         verify = self.config.verify_on_load
+        units = [p[0] for p in plan]
+        calls = [u.prepare(where, recs, verify, opts) for u, recs, opts in plan]
         try:
-            await self._all(
-                [p[0] for p in plan],
-                None,
-                step,
-                "load",
-                calls=[u.prepare(path, recs, verify, opts) for u, recs, opts in plan],
-            )
+            await self._all(units, None, step, "load", calls=calls)
         except BaseException:
-            await asyncio.gather(*(u.abort() for u, _, _ in plan), return_exceptions=True)
+            await asyncio.gather(*(u.abort() for u in units), return_exceptions=True)
             raise
-        await self._all([p[0] for p in plan], lambda u: u.apply(), step, "load")
-        log.info("loaded step %d from %s", step, path)
-        return LoadResult(step, manifest.extra, path, manifest)
+        await self._all(units, lambda u: u.apply(), step, "load")
+        log.info("loaded step %d from %s", step, where.url)
+        return LoadResult(step, manifest.extra, where.url, manifest)
 
-    def _load_args(self, unit: Unit, comp: layout.Component, exclude: set[str], reshard: bool):
-        if unit.name != layout.TRAINER:
-            return [f for f in comp.files if f.path == unit.relpath], {}
-        rank_file = None if reshard else layout.trainer_rank_file(unit.index)
-        opts = {"load_optimizer": "optimizer" not in exclude, "rank_file": rank_file}
-        return comp.files, opts
-
-    def _check_matches(self, manifest: layout.Manifest, exclude: set[str], allow: bool) -> bool:
-        """Raise CheckpointMismatchError listing every difference; True if the trainer reshards."""
-        diffs, reshard = [], False
-        saved, current = manifest.components, self._components()
+    def _check_matches(self, manifest: layout.Manifest, exclude: set[str], allow: bool) -> None:
+        """Raise CheckpointMismatchError listing every difference."""
+        diffs = []
         fp = self.config.fingerprint
         if fp is not None and manifest.fingerprint is not None and fp != manifest.fingerprint:
             diffs.append(
                 f"run fingerprint changed: checkpoint={manifest.fingerprint}, current={fp}"
                 " (the folder holds another run's checkpoints)"
             )
-        for name in sorted(set(saved) | set(current)):
+        saved = manifest.components
+        for name in sorted(set(saved) | set(self._groups)):
             if name in exclude:
                 continue
-            if name not in current:
+            if name not in self._groups:
                 diffs.append(f"{name}: in the checkpoint (step {manifest.step}) but not registered")
             elif name not in saved:
                 diffs.append(f"{name}: registered but not in the checkpoint (step {manifest.step})")
-            elif saved[name].replicas != len(current[name]):
-                what = "trainer ranks" if name == layout.TRAINER else "replicas"
-                diffs.append(
-                    f"{name}: {what} changed: checkpoint={saved[name].replicas}, "
-                    f"current={len(current[name])}"
-                )
-                reshard = reshard or name == layout.TRAINER
+            else:
+                diffs += self._groups[name].differences(saved[name])
         if diffs and not allow:
             raise CheckpointMismatchError(diffs)
         for d in diffs:
             log.warning("loading despite mismatch: %s", d)
-        return reshard
 
     # ---- running calls on many units ------------------------------------------------------
 
@@ -321,93 +372,55 @@ class CheckpointCoordinator:
         """Run one call per unit at once (trainer ranks' calls are collectives: never in
         sequence); any failure becomes one error naming every failed unit."""
         timeout = self.config.load_timeout_s if phase == "load" else self.config.save_timeout_s
-        aws = calls if calls is not None else [call(u) for u in units]
+        aws = calls if calls is not None else [call(u) for u in units]  # type: ignore[misc]
         tasks = [asyncio.ensure_future(a) for a in aws]
         done, pending = await asyncio.wait(tasks, timeout=timeout) if tasks else (set(), set())
         for t in pending:
             t.cancel()
-        failures = []
+        failures: list[tuple[str, BaseException]] = []
         for u, t in zip(units, tasks, strict=True):
             if t in pending:
-                failures.append((u, TimeoutError(f"no answer within {timeout:.0f}s")))
+                failures.append((u.label, TimeoutError(f"no answer within {timeout:.0f}s")))
             elif t.exception() is not None:
-                failures.append((u, t.exception()))
+                failures.append((u.label, t.exception()))  # type: ignore[arg-type]
         if failures:
-            raise self._error(step, phase, failures)
+            err = failure_error(self._newest(), step, phase, failures)
+            err.failed_units = {label for label, _ in failures}  # type: ignore[attr-defined]
+            raise err
         return [t.result() for t in tasks]
-
-    def _error(self, step: int, phase: str, failures: list) -> Exception:
-        causes = [(u, _unwrap(e)) for u, e in failures]
-        if phase == "load":
-            # forge_ckpt's own errors (corrupt file, mismatch) are raised as they are.
-            for _, c in causes:
-                if isinstance(c, CheckpointError):
-                    return c
-            lines = [f"{u.label}: {_describe(c)}" for u, c in causes]
-            return CheckpointError(
-                f"load of step {step} failed, nothing was applied:\n  " + "\n  ".join(lines)
-            )
-        return self._save_error(step, [f"{u.label}: {_describe(c)}" for u, c in causes])
-
-    def _save_error(self, step: int, lines: list[str]) -> CheckpointSaveError:
-        newest = self.steps()
-        prev = (
-            f"step {newest[-1]} is still the newest committed step"
-            if newest
-            else "there is no committed step yet"
-        )
-        return CheckpointSaveError(
-            f"save of step {step} aborted, nothing was committed ({prev}):\n  "
-            + "\n  ".join(lines)
-            + "\nFix or restart the failing component(s) and save again."
-        )
 
     # ---- lifetime -----------------------------------------------------------------------
 
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CheckpointError("this CheckpointCoordinator is closed")
+
     def close(self) -> None:
-        """Release the folder lock. Call `await wait()` first to flush a background save."""
+        """Release the folder's lease. A commit in flight finishes first (it is never cut in
+        half); a background save that has not reached its commit is dropped, and its files
+        are removed at the next start. Prefer `await aclose()`, which flushes it."""
         if self._pending is not None and not self._pending.done():
             log.warning("close() with a background save still running: it will not commit")
             self._pending.cancel()
-        self._lock.release()
+        with self._commit_lock:
+            self._closed = True
+            self._lease.release()
+
+    async def aclose(self) -> None:
+        """Flush a background save (its error is raised), then release the lease."""
+        try:
+            await self.wait()
+        finally:
+            self.close()
 
     async def __aenter__(self) -> CheckpointCoordinator:
         return self
 
-    async def __aexit__(self, *exc) -> None:
-        try:
-            if exc[0] is None:
-                await self.wait()
-        finally:
+    async def __aexit__(self, *exc: Any) -> None:
+        if exc[0] is None:
+            await self.aclose()
+        else:
             self.close()
-
-
-async def _discard(path: str) -> None:
-    """Remove an aborted step's files; a failure here must not hide the save's own error."""
-    try:
-        await asyncio.to_thread(commit.remove_step, path)
-    except OSError as e:
-        log.warning(
-            "could not remove aborted step %s (%s); it is not committed and will be "
-            "removed at the next start",
-            path,
-            e,
-        )
-
-
-def _unwrap(e: BaseException) -> BaseException:
-    """The user's exception inside a Ray task error, when Ray kept it."""
-    cause = getattr(e, "cause", None)
-    return cause if isinstance(cause, BaseException) else e
-
-
-def _describe(e: BaseException) -> str:
-    import ray.exceptions as rex
-
-    if isinstance(e, rex.RayActorError):
-        return "the actor died (RayActorError); restart it and register it again"
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[-1] if text else ''}"
 
 
 def _log_background_failure(task: asyncio.Task) -> None:

@@ -1,14 +1,15 @@
 """Every path forge_ckpt builds, the manifest, the commit marker, and finding committed steps.
 
-One checkpoint folder holds:
+One checkpoint folder (a local path or an `s3://bucket/prefix`) holds:
 
-    <folder>/.forge_ckpt.lock           one writer per folder (see lock.py)
+    <folder>/.forge_ckpt.lease           who may write the folder (see lock.py)
     <folder>/step-<N>/                   one step (TorchTitan's naming, so stock TorchTitan finds it)
-        .metadata, __<r>_0.distcp        the trainer's DCP files (written by TorchTitan)
+        .metadata, __<r>_<k>.distcp      the trainer's DCP files (standard DCP)
         trainer/rank-<r>.msgpack         each trainer rank's RNG streams
         actors/<name>.<replica>.msgpack  one file per actor replica
         manifest.json                    every file with size and crc32c, versions, extra
-        COMMIT                           the marker: written last; names the manifest's crc32c
+        COMMIT                           the marker: created last; names the manifest's crc32c
+    <folder>/quarantine/step-<N>.<time>/ a damaged committed step that `fallback` passed over
 
 A step exists (for load, listing and retention) only if COMMIT parses and the manifest's crc32c
 equals the one COMMIT records. This module is the only place that decides that.
@@ -17,30 +18,38 @@ equals the one COMMIT records. This module is the only place that decides that.
 from __future__ import annotations
 
 import json
-import os
+import posixpath
 import re
 from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import CheckpointCorruptError, InvalidNameError
-from .storage import FileRecord, crc32c_of_bytes
+from .storage import FileRecord, Storage, crc32c_of_bytes, join, open_storage
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: lease generation in manifest and marker (1 is still read)
+READABLE_VERSIONS = (1, 2)
 MANIFEST = "manifest.json"
 MARKER = "COMMIT"
-LOCK = ".forge_ckpt.lock"
+LEASE = ".forge_ckpt.lease"
+QUARANTINE = "quarantine"
 TRAINER = "trainer"
+ACTORS = "actors"
 _STEP_RE = re.compile(r"^step-(\d+)$")
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 
 
+def step_name(step: int) -> str:
+    return f"step-{step}"
+
+
 def step_dir(folder: str, step: int) -> str:
-    return os.path.join(folder, f"step-{step}")
+    """The URL (or absolute path) of a step folder."""
+    return join(folder, step_name(step))
 
 
 def actor_file(name: str, replica: int) -> str:
     """Path of one actor replica's file, relative to the step folder."""
-    return f"actors/{name}.{replica}.msgpack"
+    return f"{ACTORS}/{name}.{replica}.msgpack"
 
 
 def trainer_rank_file(rank: int) -> str:
@@ -59,6 +68,23 @@ def check_name(name: Any) -> str:
     return name
 
 
+def check_relpath(path: str, where: str) -> str:
+    """A file path from a manifest must stay inside its step folder."""
+    norm = posixpath.normpath(path) if path else ""
+    if (
+        not path
+        or path != norm
+        or path.startswith("/")
+        or "\\" in path
+        or norm.split("/")[0] == ".."
+        or "\x00" in path
+    ):
+        raise CheckpointCorruptError(
+            where, f"file path {path!r} is not a plain relative path inside the step folder"
+        )
+    return path
+
+
 @dataclass
 class Component:
     """One registered component as the manifest records it."""
@@ -68,7 +94,7 @@ class Component:
     files: list[FileRecord] = field(default_factory=list)
     seconds: float = 0.0
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return {
             "kind": self.kind,
             "replicas": self.replicas,
@@ -77,11 +103,14 @@ class Component:
         }
 
     @classmethod
-    def from_dict(cls, d: dict) -> Component:
+    def from_dict(cls, d: dict[str, Any], where: str) -> Component:
+        files = [FileRecord.from_dict(f) for f in d["files"]]
+        for f in files:
+            check_relpath(f.path, where)
         return cls(
-            kind=d["kind"],
+            kind=str(d["kind"]),
             replicas=int(d["replicas"]),
-            files=[FileRecord.from_dict(f) for f in d["files"]],
+            files=files,
             seconds=float(d.get("seconds", 0.0)),
         )
 
@@ -94,6 +123,7 @@ class Manifest:
     fingerprint: str | None = None
     versions: dict[str, str] = field(default_factory=dict)
     created: float = 0.0
+    generation: int = 0  # the writer's lease generation (fencing token)
     format_version: int = FORMAT_VERSION
 
     @property
@@ -109,6 +139,7 @@ class Manifest:
             "format_version": self.format_version,
             "step": self.step,
             "created": self.created,
+            "generation": self.generation,
             "fingerprint": self.fingerprint,
             "versions": self.versions,
             "extra": self.extra,
@@ -120,21 +151,22 @@ class Manifest:
     def from_bytes(cls, data: bytes, path: str = MANIFEST) -> Manifest:
         try:
             d = json.loads(data)
-            if d["format_version"] > FORMAT_VERSION:
+            version = int(d["format_version"])
+            if version not in READABLE_VERSIONS:
                 raise CheckpointCorruptError(
                     path,
-                    f"format version {d['format_version']} is newer than this library "
-                    f"({FORMAT_VERSION})",
-                    "upgrade forge_ckpt to read it",
+                    f"format version {version} is not one this library reads ({READABLE_VERSIONS})",
+                    "upgrade forge_ckpt to read it" if version > FORMAT_VERSION else None,
                 )
             return cls(
                 step=int(d["step"]),
-                components={k: Component.from_dict(c) for k, c in d["components"].items()},
+                components={k: Component.from_dict(c, path) for k, c in d["components"].items()},
                 extra=d.get("extra"),
                 fingerprint=d.get("fingerprint"),
                 versions=dict(d.get("versions", {})),
                 created=float(d.get("created", 0.0)),
-                format_version=int(d["format_version"]),
+                generation=int(d.get("generation", 0)),
+                format_version=version,
             )
         except CheckpointCorruptError:
             raise
@@ -142,37 +174,48 @@ class Manifest:
             raise CheckpointCorruptError(path, f"manifest is not valid: {e}") from None
 
 
-def marker_bytes(step: int, manifest_crc: str) -> bytes:
-    return json.dumps({"step": step, "manifest_crc32c": manifest_crc}).encode()
+def marker_bytes(step: int, manifest_crc: str, generation: int = 0) -> bytes:
+    return json.dumps(
+        {"step": step, "manifest_crc32c": manifest_crc, "generation": generation}
+    ).encode()
 
 
-def read_committed(path: str) -> Manifest:
-    """The manifest of a committed step folder; CheckpointCorruptError if it is not one."""
-    marker_path = os.path.join(path, MARKER)
-    manifest_path = os.path.join(path, MANIFEST)
+def as_storage(folder: str | Storage) -> Storage:
+    return folder if isinstance(folder, Storage) else open_storage(folder)
+
+
+def read_committed(folder: str | Storage, step: int) -> Manifest:
+    """The manifest of a committed step; CheckpointCorruptError if it is not one."""
+    store = as_storage(folder)
+    marker_path, manifest_path = f"{step_name(step)}/{MARKER}", f"{step_name(step)}/{MANIFEST}"
     try:
-        with open(marker_path, "rb") as f:
-            marker = json.loads(f.read(4096))
+        raw = store.read(marker_path, 0, 4096)
+        marker = json.loads(raw)
         want_crc, want_step = str(marker["manifest_crc32c"]), int(marker["step"])
     except FileNotFoundError:
         raise CheckpointCorruptError(
-            marker_path, "no commit marker: this step was never committed", "It cannot be loaded."
+            store.where(marker_path),
+            "no commit marker: this step was never committed",
+            "It cannot be loaded.",
         ) from None
     except (ValueError, KeyError, TypeError):
-        raise CheckpointCorruptError(marker_path, "commit marker is not valid") from None
+        raise CheckpointCorruptError(
+            store.where(marker_path), "commit marker is not valid"
+        ) from None
     try:
-        with open(manifest_path, "rb") as f:
-            data = f.read()
+        data = store.read(manifest_path)
     except FileNotFoundError:
-        raise CheckpointCorruptError(manifest_path, "manifest is missing") from None
+        raise CheckpointCorruptError(store.where(manifest_path), "manifest is missing") from None
     if crc32c_of_bytes(data) != want_crc:
         raise CheckpointCorruptError(
-            manifest_path,
+            store.where(manifest_path),
             f"manifest crc32c {crc32c_of_bytes(data)} differs from the marker's {want_crc}",
         )
-    manifest = Manifest.from_bytes(data, manifest_path)
-    if manifest.step != want_step or parse_step(os.path.basename(path)) != want_step:
-        raise CheckpointCorruptError(marker_path, f"marker names step {want_step}, folder differs")
+    manifest = Manifest.from_bytes(bytes(data), store.where(manifest_path))
+    if manifest.step != want_step or want_step != step:
+        raise CheckpointCorruptError(
+            store.where(marker_path), f"marker names step {want_step}, folder differs"
+        )
     return manifest
 
 
@@ -181,34 +224,37 @@ def parse_step(dirname: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def all_steps(folder: str) -> list[int]:
+def all_steps(folder: str | Storage) -> list[int]:
     """Every `step-N` folder, committed or not, ascending."""
-    if not os.path.isdir(folder):
-        return []
-    steps = (parse_step(d) for d in os.listdir(folder))
+    steps = (parse_step(d) for d in as_storage(folder).list(""))
     return sorted(s for s in steps if s is not None)
 
 
-def marked_steps(folder: str) -> list[int]:
-    """Steps whose folder holds a COMMIT file, valid or not, ascending.
+def marked_steps(folder: str | Storage) -> list[int]:
+    """Steps whose folder holds a COMMIT object, valid or not, ascending.
 
-    A crash can never leave a partial COMMIT (it is renamed into place), so a step with a
+    A crash can never leave a partial COMMIT (it is created atomically), so a step with a
     marker was committed once: if its marker or manifest no longer checks out, it is a damaged
     committed step, kept for inspection and reported on load, never silently removed.
     """
-    return [
-        s for s in all_steps(folder) if os.path.exists(os.path.join(step_dir(folder, s), MARKER))
-    ]
+    store = as_storage(folder)
+    return [s for s in all_steps(store) if store.exists(f"{step_name(s)}/{MARKER}")]
 
 
-def is_committed(folder: str, step: int) -> bool:
+def is_committed(folder: str | Storage, step: int) -> bool:
     try:
-        read_committed(step_dir(folder, step))
+        read_committed(folder, step)
         return True
     except CheckpointCorruptError:
         return False
 
 
-def committed_steps(folder: str) -> list[int]:
+def committed_steps(folder: str | Storage) -> list[int]:
     """The single definition of which steps exist: folders with a valid marker, ascending."""
-    return [s for s in all_steps(folder) if is_committed(folder, s)]
+    store = as_storage(folder)
+    return [s for s in all_steps(store) if is_committed(store, s)]
+
+
+def quarantined(folder: str | Storage) -> list[str]:
+    """Damaged committed steps moved aside by `fallback`, e.g. `step-5.1763900000`."""
+    return as_storage(folder).list(QUARANTINE)

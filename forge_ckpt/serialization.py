@@ -41,7 +41,6 @@ import gc
 import itertools
 import json
 import math
-import os
 import re
 import struct
 from typing import Any
@@ -51,7 +50,7 @@ import numpy as np
 import torch
 
 from .errors import CheckpointCorruptError, NotSerializableError
-from .storage import ChecksummedWriter, FileRecord, read_verified
+from .storage import FileRecord, Storage, Writer, open_storage
 
 MAGIC = b"FCKPT\x00\x01\n"
 PREAMBLE = 16  # magic + u64 header length
@@ -224,7 +223,7 @@ class _Encoder:
 class _Out:
     """Coalesces small writes (headers, padding, small blobs) into few large ones."""
 
-    def __init__(self, w: ChecksummedWriter) -> None:
+    def __init__(self, w: Writer) -> None:
         self.w, self.buf, self.pos = w, bytearray(), 0
 
     def put(self, data: Any) -> None:
@@ -256,8 +255,14 @@ class Snapshot:
         self.nbytes = self._data_start + end
 
     def write(self, path: str, relpath: str) -> FileRecord:
-        """Write the file (checksummed, fsynced); on error the partial file is removed."""
-        with ChecksummedWriter(path) as w:
+        """Write to a local path or URL; the record carries `relpath`."""
+        folder, name = _split(path)
+        rec = self.write_to(open_storage(folder), name)
+        return FileRecord(path=relpath, size=rec.size, crc32c=rec.crc32c)
+
+    def write_to(self, store: Storage, relpath: str) -> FileRecord:
+        """Write the file durably, checksummed as it goes; on error the partial file is removed."""
+        with store.writer(relpath) as w:
             out = _Out(w)
             out.put(MAGIC + struct.pack("<Q", self._header.nbytes))
             out.put(self._header)
@@ -266,10 +271,17 @@ class Snapshot:
                 out.put(data)
             out.pad_to(max(out.pos, self._data_start))
             out.flush()
-            size, crc = w.close()
-        if size != self.nbytes:
-            raise AssertionError(f"{path}: wrote {size} bytes, expected {self.nbytes}")
-        return FileRecord(path=relpath, size=size, crc32c=crc)
+            rec = w.close()
+        if rec.size != self.nbytes:
+            raise AssertionError(
+                f"{store.where(relpath)}: wrote {rec.size} bytes, expected {self.nbytes}"
+            )
+        return rec
+
+
+def _split(path: str) -> tuple[str, str]:
+    folder, _, name = path.rstrip("/").rpartition("/")
+    return folder or ".", name
 
 
 def snapshot(state: Any, *, name: str, copy: bool = True) -> Snapshot:
@@ -450,20 +462,30 @@ def loads(buf: bytes | bytearray | memoryview, *, path: str = "<memory>") -> Any
 
 
 def load(path: str, expected: FileRecord | None = None) -> Any:
-    """Read the file once (checking size/crc against `expected`) and decode it without copies."""
-    return loads(read_verified(path, expected), path=path)
+    """Read a local file or URL once (checking size/crc against `expected`) and decode it."""
+    folder, name = _split(path)
+    return load_from(open_storage(folder), name, expected)
+
+
+def load_from(store: Storage, relpath: str, expected: FileRecord | None = None) -> Any:
+    """Read once (checked against `expected`) and decode without copies."""
+    return loads(store.read_verified(relpath, expected), path=store.where(relpath))
 
 
 def describe(path: str) -> Any:
     """Decode only the header, with tensors/arrays shown as e.g. "tensor(bfloat16, [4, 8])"."""
-    try:
-        size = os.path.getsize(path)
-    except FileNotFoundError:
-        raise CheckpointCorruptError(path, "file is missing") from None
-    with open(path, "rb") as f:
-        head = f.read(PREAMBLE)
-        hlen, start = _preamble(head, size, path)
-        header = f.read(hlen)
+    folder, name = _split(path)
+    return describe_from(open_storage(folder), name)
+
+
+def describe_from(store: Storage, relpath: str) -> Any:
+    where = store.where(relpath)
+    size = store.size(relpath)
+    if size is None:
+        raise CheckpointCorruptError(where, "file is missing")
+    head = bytes(store.read(relpath, 0, PREAMBLE))
+    hlen, start = _preamble(head, size, where)
+    header = store.read(relpath, PREAMBLE, PREAMBLE + hlen)
     if len(header) != hlen:
-        raise CheckpointCorruptError(path, "file ended inside the header")
-    return _Decoder(None, start, size).run(header, path)
+        raise CheckpointCorruptError(where, "file ended inside the header")
+    return _Decoder(None, start, size).run(bytes(header), where)

@@ -1,24 +1,22 @@
-"""The trainer side: TorchTitan's `CheckpointManager` writing DCP shards into our `step-N/`.
+"""The trainer side: the state TorchTitan's `CheckpointManager` builds, written as standard DCP
+shards into our `step-N/` through our own DCP storage writer (local disk or S3).
 
 Each trainer rank (one Ray actor per rank, one gloo/NCCL process group between them) holds a
-`TrainerCheckpointer`. It saves exactly the state dict TorchTitan itself saves (model keys
-flattened, `optimizer`, `lr_scheduler`, `dataloader`, extra `states`) with TorchTitan's public
-`dcp_save`/`dcp_load`, but to the explicit folder the coordinator created. The DCP files sit
-directly in `step-N/`, so stock TorchTitan `CheckpointManager(folder=<our folder>).load(step=N)`
-restores model, optimizer and LR schedule from it (build it with `dataloader=None`, or with
-`exclude_from_loading=["dataloader"]`: the data position is not the trainer's state here, so the
-saved `dataloader` entry is None). TorchTitan's step naming, purge and "latest" discovery are
-never used: the coordinator's manifest and marker decide what exists.
+`TrainerCheckpointer`. It saves exactly the state dict TorchTitan itself saves (the manager's
+`states`: model keys flattened as TorchTitan flattens them, `optimizer`, `lr_scheduler`,
+`dataloader`, extra `states`) with `dcp.save`/`dcp.load` and `dcp_io`'s writer and reader, to
+the explicit folder the coordinator created. The DCP files sit directly in `step-N/`, so stock
+TorchTitan `CheckpointManager(folder=<our folder>).load(step=N)` restores model, optimizer and
+LR schedule from a local folder (build it with `dataloader=None`, or with
+`exclude_from_loading=["dataloader"]`: the data position is not the trainer's state here).
+TorchTitan's step naming, purge and "latest" discovery are never used.
 
 Next to its DCP shard each rank writes `trainer/rank-<r>.msgpack` (RNG streams, rank, world
-size: state DCP does not hold), with `forge_ckpt.serialization`, never pickle.
+size: state DCP does not hold), with `forge_ckpt.serialization`, never pickle. Every file's
+CRC32C is computed while it is written (no read-back).
 
-DCP fsyncs every file it writes (`FileSystemWriter(sync_files=True)`, `.metadata` via fsync +
-rename) but not the folder, so we fsync the folders. DCP writes its own files, so their crc32c
-is computed by reading them back after the write (from the page cache, right after writing).
-
-Load verifies (unless the caller turns it off) before DCP opens anything: `.metadata` is a
-pickle and must never be unpickled unless it is byte-for-byte the file we wrote.
+Load verifies (unless the caller turns it off) before DCP opens anything, and `.metadata` is
+unpickled only through an allowlist (`dcp_metadata`), so a hostile file cannot run code.
 
 `TrainerMixin` gives a Ray trainer actor the protocol the coordinator speaks;
 `spawn_trainer_ranks` starts the rank actors and their process group.
@@ -26,11 +24,13 @@ pickle and must never be unpickled unless it is byte-for-byte the file we wrote.
 
 from __future__ import annotations
 
-import glob
 import logging
 import os
+import re
 import socket
+from collections.abc import Generator
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -39,34 +39,47 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
+from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
-from torchtitan.components.checkpoint import (
+from torchtitan.components.checkpointer import (
     DATALOADER,
     LR_SCHEDULER,
     MODEL,
     OPTIMIZER,
-    AsyncMode,
     CheckpointManager,
 )
 from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer
 
 from . import layout, rng, serialization
+from .dcp_io import METADATA, SeamReader, SeamWriter
 from .errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
 from .staging import SnapshotBuffers
-from .storage import FileRecord, checksum_file, fsync_dir, verify_file
+from .storage import FileRecord, Storage, StorageSpec, open_storage
 
 log = logging.getLogger("forge_ckpt")
 
 RANK_FILE_FORMAT = 1
-DCP_METADATA = ".metadata"  # written by DCP's coordinator rank (rank 0)
+DCP_METADATA = METADATA  # written by DCP's coordinator rank (rank 0)
+_SHARD_RE = re.compile(r"^__(\d+)_\d+\.distcp$")
 
 
 @dataclass
 class _StagedLoad:
-    step_dir: str
+    store: Storage
     load_optimizer: bool
     rank_state: dict[str, Any] | None
+    expected: dict[str, FileRecord]
+    cache: dict[str, bytes | bytearray]
+
+
+def flat_state(states: dict[str, Any]) -> dict[str, Any]:
+    """The state dict TorchTitan's manager saves: its `states`, with the model wrapper's keys
+    flattened into the top level (so the files are what stock TorchTitan writes and reads)."""
+    sd = {k: v for k, v in states.items() if k != MODEL}
+    if MODEL in states:
+        sd.update(states[MODEL].state_dict())
+    return sd
 
 
 class TrainerCheckpointer:
@@ -80,6 +93,7 @@ class TrainerCheckpointer:
         lr_schedulers: LRSchedulersContainer,
         states: dict[str, Stateful] | None = None,
         rng_generators: dict[str, rng.Generator] | None = None,
+        write_threads: int = 2,
     ) -> None:
         if not dist.is_initialized():
             raise CheckpointError(
@@ -115,35 +129,37 @@ class TrainerCheckpointer:
         self._future: Future | None = None
         self._records: list[dict] | None = None
         self._staged: _StagedLoad | None = None
+        self._aborted: Future | None = None
+        self.write_threads = write_threads
 
     # ---- save -------------------------------------------------------------------------------
 
-    def begin_save(self, step_dir: str, background: bool = False) -> int:
+    def begin_save(self, where: StorageSpec | str, background: bool = False) -> int:
         """Take the snapshot; write it now (sync) or in a thread (background).
 
         Returns the snapshot's size in bytes (this rank's tensors and rank file). In background
-        mode the
-        snapshot is a CPU copy made before returning (buffers reused between saves), so the
-        training step that follows cannot change what is written.
+        mode the snapshot is a CPU copy made before returning (buffers reused between saves),
+        so the training step that follows cannot change what is written.
         """
+        self._join_aborted()
         if self._future is not None:
             raise CheckpointError(
                 f"trainer rank {self.rank}: a background save is still running; wait for "
                 "save_status() to return the files before starting the next save"
             )
         self._records = None
-        os.makedirs(os.path.join(step_dir, layout.TRAINER), exist_ok=True)
-        state = _resolve(self.manager._flattened_model_states_sd())
+        store = open_storage(where)
+        state = _resolve(flat_state(self.manager.states))
         name = f"trainer rank {self.rank}"
         rank_snap = serialization.snapshot(self._rank_state(), name=name, copy=background)
         if not background:
-            self._records = self._write(step_dir, state, rank_snap, None)
+            self._records = self._write(store, state, rank_snap, None)
             return _tensor_bytes(state) + rank_snap.nbytes
         staged = self._stage(state)
         pg = self._background_pg()
         if self._executor is None:
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="forge-ckpt-trainer")
-        self._future = self._executor.submit(self._write, step_dir, staged, rank_snap, pg)
+        self._future = self._executor.submit(self._write, store, staged, rank_snap, pg)
         return _tensor_bytes(staged) + rank_snap.nbytes
 
     def save_status(self) -> list[dict] | None:
@@ -157,6 +173,33 @@ class TrainerCheckpointer:
         if self._records is None:
             raise CheckpointError(f"trainer rank {self.rank}: no save was begun")
         return self._records
+
+    def abort_save(self, timeout_s: float = 60.0) -> bool:
+        """The step failed elsewhere: join this rank's background write (bounded) and forget
+        it, so that the next save and load find the rank idle. True if nothing still runs."""
+        self._records = None
+        future, self._future = self._future, None
+        if future is None:
+            return True
+        try:
+            future.result(timeout=timeout_s)
+        except TimeoutError:
+            # Stuck (a collective waiting for a rank that died): the next save waits for it.
+            self._aborted = future
+            return False
+        except BaseException as e:  # the save is abandoned: its error no longer matters
+            log.info("trainer rank %d: aborted background write ended with %s", self.rank, e)
+        return True
+
+    def _join_aborted(self) -> None:
+        if self._aborted is None:
+            return
+        if not self._aborted.done():
+            raise CheckpointError(
+                f"trainer rank {self.rank}: the background write of an aborted save is still "
+                "running (a collective waiting for a rank that died?); restart the trainer"
+            )
+        self._aborted = None
 
     def _rank_state(self) -> dict[str, Any]:
         return {
@@ -180,37 +223,26 @@ class TrainerCheckpointer:
 
     def _write(
         self,
-        step_dir: str,
+        store: Storage,
         state: dict[str, Any],
         rank_snap: serialization.Snapshot,
         pg: dist.ProcessGroup | None,
     ) -> list[dict]:
-        if pg is None:
-            self.manager.dcp_save(state, checkpoint_id=step_dir, async_mode=AsyncMode.DISABLED)
-        else:
-            dcp.save(state, checkpoint_id=step_dir, process_group=pg)
+        store.makedirs(layout.TRAINER)  # the coordinator made it; a bare DCP user may not
+        writer = SeamWriter(store, thread_count=self.write_threads)
+        with _dcp_errors(self.rank):
+            dcp.save(state, storage_writer=writer, process_group=pg)
         relpath = layout.trainer_rank_file(self.rank)
-        rank_record = rank_snap.write(os.path.join(step_dir, relpath), relpath)
-        records = [_record(step_dir, name) for name in self._dcp_files(step_dir)]
-        records.append(rank_record)
-        fsync_dir(os.path.join(step_dir, layout.TRAINER))
-        fsync_dir(step_dir)
+        records = [*writer.records, rank_snap.write_to(store, relpath)]
+        store.sync_dir(layout.TRAINER)
+        store.sync_dir("")
         return [r.to_dict() for r in records]
-
-    def _dcp_files(self, step_dir: str) -> list[str]:
-        """The DCP files this rank wrote: its `__<rank>_<n>.distcp` shards (DCP prefixes each
-        rank's files with its rank), and `.metadata` on the coordinator rank."""
-        pattern = os.path.join(glob.escape(step_dir), f"__{self.rank}_*.distcp")
-        names = sorted(os.path.basename(p) for p in glob.glob(pattern))
-        if self.rank == 0:
-            names.append(DCP_METADATA)
-        return names
 
     # ---- load -------------------------------------------------------------------------------
 
     def prepare_load(
         self,
-        step_dir: str,
+        where: StorageSpec | str,
         records: list[dict],
         *,
         verify: bool,
@@ -219,38 +251,52 @@ class TrainerCheckpointer:
     ) -> None:
         """Verify files and decode this rank's file; changes nothing in the trainer.
 
-        Every rank checks `.metadata` (each rank's DCP unpickles it) and its own rank file; the
-        shards are split among ranks (shard i by rank i % world_size). No collectives: a rank
-        that fails raises, and the coordinator aborts the load on every rank.
+        Every rank checks `.metadata` and its own rank file; the shards are split among ranks
+        (the shards rank r wrote are checked by rank r % world_size, which with an unchanged
+        world size is the rank that reads them). Verified bytes of an object store are kept
+        for the load, so nothing is downloaded twice. No collectives: a rank that fails
+        raises, and the coordinator aborts the load on every rank.
         """
+        self._join_aborted()
         if self._future is not None:
             raise CheckpointError(f"trainer rank {self.rank}: cannot load during a save")
         self._staged = None
+        store = open_storage(where)
         recs = {r["path"]: FileRecord.from_dict(r) for r in records}
-        if verify:
-            self._verify(step_dir, recs)
+        for path in recs:
+            layout.check_relpath(path, store.where(layout.MANIFEST))
+        cache = self._verify(store, recs) if verify else {}
         rank_state = None
         if rank_file is not None:
-            path = os.path.join(step_dir, rank_file)
             if verify and rank_file not in recs:
-                raise CheckpointCorruptError(path, "not listed in the manifest")
-            rank_state = serialization.load(path, recs.get(rank_file) if verify else None)
+                raise CheckpointCorruptError(store.where(rank_file), "not listed in the manifest")
+            expected = recs.get(rank_file) if verify else None
+            rank_state = serialization.load_from(store, rank_file, expected)
             if rank_state.get("rank") != self.rank:
                 raise CheckpointMismatchError(
-                    [f"{path} holds rank {rank_state.get('rank')}, loaded by rank {self.rank}"]
+                    [
+                        f"{store.where(rank_file)} holds rank {rank_state.get('rank')}, "
+                        f"loaded by rank {self.rank}"
+                    ]  # fmt: skip
                 )
-        self._staged = _StagedLoad(step_dir, load_optimizer, rank_state)
+        self._staged = _StagedLoad(store, load_optimizer, rank_state, recs if verify else {}, cache)
 
-    def _verify(self, step_dir: str, recs: dict[str, FileRecord]) -> None:
+    def _verify(self, store: Storage, recs: dict[str, FileRecord]) -> dict[str, bytes | bytearray]:
         if DCP_METADATA not in recs:
-            raise CheckpointCorruptError(
-                os.path.join(step_dir, DCP_METADATA), "not listed in the manifest"
-            )
-        verify_file(os.path.join(step_dir, DCP_METADATA), recs[DCP_METADATA])
-        shards = sorted(p for p in recs if p.endswith(".distcp"))
-        for i, name in enumerate(shards):
-            if i % self.world_size == self.rank:
-                verify_file(os.path.join(step_dir, name), recs[name])
+            raise CheckpointCorruptError(store.where(DCP_METADATA), "not listed in the manifest")
+        keep = store.local_path() is None  # an object store: keep what was downloaded
+        cache: dict[str, bytes | bytearray] = {}
+        mine = [DCP_METADATA] + [p for p in sorted(recs) if self._checks(p)]
+        for path in mine:
+            if keep:
+                cache[path] = store.read_verified(path, recs[path])
+            else:
+                store.verify(path, recs[path])
+        return cache
+
+    def _checks(self, path: str) -> bool:
+        m = _SHARD_RE.match(path)
+        return m is not None and int(m.group(1)) % self.world_size == self.rank
 
     def apply_load(self) -> None:
         """Load the prepared step into model, optimizer (unless excluded), LR schedule and
@@ -260,11 +306,14 @@ class TrainerCheckpointer:
             raise CheckpointError(f"trainer rank {self.rank}: apply_load without prepare_load")
         self._staged = None
         states = self.manager.states
-        keys = [k for k in states if staged.load_optimizer or k != OPTIMIZER]
-        sd = self.manager._flattened_model_states_sd({k: states[k] for k in keys})
-        self.manager.dcp_load(
-            sd, checkpoint_id=staged.step_dir, from_hf=False, from_quantized=False
+        sd = flat_state(
+            {k: v for k, v in states.items() if staged.load_optimizer or k != OPTIMIZER}
         )
+        reader = SeamReader(staged.store, staged.expected, staged.cache)
+        with _dcp_errors(self.rank):
+            dcp.load(sd, storage_reader=reader)
+        if MODEL in states:  # DCP filled the flattened model tensors; hand them to the model
+            states[MODEL].load_state_dict(sd)
         if not staged.load_optimizer:
             self._lr_to_optimizer()
         if staged.rank_state is None:
@@ -296,6 +345,20 @@ class TrainerCheckpointer:
             self._save_pg = None
 
 
+@contextmanager
+def _dcp_errors(rank: int) -> Generator[None, None, None]:
+    """DCP wraps every rank's failure in a CheckpointException (a BaseException, which
+    `except Exception` misses); raise this rank's own error, or the first rank's, instead."""
+    try:
+        yield
+    except CheckpointException as e:
+        failures = e.failures
+        exc, _ = failures.get(rank) or next(iter(failures.values()), (None, None))
+        if isinstance(exc, Exception):
+            raise exc from None
+        raise CheckpointError(f"trainer rank {rank}: DCP failed: {e}") from None
+
+
 def _resolve(state: dict[str, Any]) -> dict[str, Any]:
     """Call `state_dict()` on top-level Stateful values, as `dcp.save` does itself (so the
     files are the same); the snapshot then copies plain containers and tensors."""
@@ -314,11 +377,6 @@ def _tensor_bytes(obj: Any) -> int:
     return 0
 
 
-def _record(step_dir: str, relpath: str) -> FileRecord:
-    rec = checksum_file(os.path.join(step_dir, relpath))
-    return FileRecord(path=relpath, size=rec.size, crc32c=rec.crc32c)
-
-
 class TrainerMixin:
     """Mixin for a Ray trainer actor: the forge protocol, delegated to `self.checkpointer`.
 
@@ -333,21 +391,24 @@ class TrainerMixin:
             return {"rank": 0, "world_size": 1}
         return {"rank": dist.get_rank(), "world_size": dist.get_world_size()}
 
-    def forge_begin_save(self, step_dir: str, relpath: str, background: bool) -> dict:
+    def forge_begin_save(self, where: StorageSpec, relpath: str, background: bool) -> dict:
         """The snapshot's size and, after a synchronous write, this rank's file records."""
         del relpath  # trainer ranks name their own files
-        nbytes = self.checkpointer.begin_save(step_dir, background)
+        nbytes = self.checkpointer.begin_save(where, background)
         files = None if background else self.checkpointer.save_status()
         return {"nbytes": nbytes, "files": files}
 
     def forge_save_status(self) -> list[dict] | None:
         return self.checkpointer.save_status()
 
+    def forge_abort_save(self, timeout_s: float = 60.0) -> bool:
+        return self.checkpointer.abort_save(timeout_s)
+
     def forge_prepare_load(
-        self, step_dir: str, records: list[dict], verify: bool, options: dict
+        self, where: StorageSpec, records: list[dict], verify: bool, options: dict
     ) -> None:
         self.checkpointer.prepare_load(
-            step_dir,
+            where,
             records,
             verify=verify,
             load_optimizer=options.get("load_optimizer", True),

@@ -1,4 +1,5 @@
-"""The commit protocol, the definition of a committed step, retention and the folder lock."""
+"""The commit protocol, the definition of a committed step, retention and the folder's lease,
+on a local folder and on S3 (the same tests against both storages)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -16,8 +18,10 @@ from forge_ckpt.commit import (
     apply_retention,
     commit_step,
     prepare_step,
+    quarantine_step,
     remove_step,
     remove_uncommitted,
+    retire_after,
 )
 from forge_ckpt.errors import (
     CheckpointCorruptError,
@@ -25,80 +29,105 @@ from forge_ckpt.errors import (
     CheckpointSaveError,
     InvalidNameError,
 )
-from forge_ckpt.lock import FolderLock
-from forge_ckpt.storage import write_file
+from forge_ckpt.lock import Lease
+from forge_ckpt.storage import open_storage
 
 
-def make_step(folder: str, step: int, commit: bool = True) -> str:
-    path = prepare_step(folder, step)
-    size, crc = write_file(os.path.join(path, "actors/a.0.msgpack"), b"x" * (step + 1))
-    rec = layout.FileRecord("actors/a.0.msgpack", size, crc)
+@pytest.fixture(params=["local", "s3"])
+def store(request, tmp_path):
+    if request.param == "local":
+        return open_storage(str(tmp_path))
+    s3 = request.getfixturevalue("s3_folder")
+    return open_storage(s3.url, s3.options)
+
+
+def make_step(store, step: int, commit: bool = True) -> None:
+    prepare_step(store, step)
+    rec = store.sub(layout.step_name(step)).write("actors/a.0.msgpack", b"x" * (step + 1))
     manifest = layout.Manifest(step, {"a": layout.Component("actor", 1, [rec])}, extra={"s": step})
     if commit:
-        commit_step(path, manifest)
-    return path
+        commit_step(store, manifest)
 
 
-def test_only_marked_steps_exist(tmp_path):
-    folder = str(tmp_path)
-    make_step(folder, 1)
-    make_step(folder, 2, commit=False)
-    assert layout.all_steps(folder) == [1, 2]
-    assert layout.committed_steps(folder) == [1]
-    m = layout.read_committed(layout.step_dir(folder, 1))
+def test_only_marked_steps_exist(store):
+    make_step(store, 1)
+    make_step(store, 2, commit=False)
+    assert layout.all_steps(store) == [1, 2]
+    assert layout.committed_steps(store) == [1]
+    m = layout.read_committed(store, 1)
     assert m.step == 1 and m.extra == {"s": 1} and m.files[0].size == 2
 
 
-def test_marker_must_match_manifest(tmp_path):
-    folder = str(tmp_path)
-    path = make_step(folder, 3)
-    with open(os.path.join(path, layout.MANIFEST), "ab") as f:
-        f.write(b" ")
+def test_marker_must_match_manifest(store):
+    make_step(store, 3)
+    data = store.read("step-3/manifest.json")
+    store.delete("step-3/manifest.json")
+    store.write("step-3/manifest.json", bytes(data) + b" ")
     with pytest.raises(CheckpointCorruptError, match="manifest.json: manifest crc32c"):
-        layout.read_committed(path)
-    assert layout.committed_steps(folder) == []
+        layout.read_committed(store, 3)
+    assert layout.committed_steps(store) == []
 
 
-def test_marker_of_other_step_is_refused(tmp_path):
-    folder = str(tmp_path)
-    a, b = make_step(folder, 1), make_step(folder, 2)
+def test_marker_of_other_step_is_refused(store):
+    make_step(store, 1)
+    make_step(store, 2)
     for name in (layout.MANIFEST, layout.MARKER):  # a consistent pair, but for step 2
-        os.replace(os.path.join(b, name), os.path.join(a, name))
-    assert layout.committed_steps(folder) == []
+        store.write(f"step-1/{name}", bytes(store.read(f"step-2/{name}")))
+    assert layout.committed_steps(store) == [2]
 
 
-def test_commit_refuses_missing_or_short_files(tmp_path):
-    folder = str(tmp_path)
-    path = prepare_step(folder, 5)
-    rec = layout.FileRecord("actors/a.0.msgpack", 10, "00000000")
-    manifest = layout.Manifest(5, {"a": layout.Component("actor", 1, [rec])})
-    with pytest.raises(CheckpointSaveError, match="does not exist"):
-        commit_step(path, manifest)
-    write_file(os.path.join(path, rec.path), b"short")
-    with pytest.raises(CheckpointSaveError, match="has 5 bytes, its writer reported 10"):
-        commit_step(path, manifest)
-    assert not os.path.exists(os.path.join(path, layout.MARKER))
+def test_manifest_paths_must_stay_in_the_step(store):
+    make_step(store, 1)
+    bad = layout.FileRecord("../../etc/passwd", 1, "00000000")
+    manifest = layout.Manifest(2, {"a": layout.Component("actor", 1, [bad])})
+    prepare_step(store, 2)
+    commit_step(store, manifest)
+    with pytest.raises(CheckpointCorruptError, match="not a plain relative path"):
+        layout.read_committed(store, 2)
 
 
-def test_prepare_refuses_committed_and_clears_leftover(tmp_path):
-    folder = str(tmp_path)
-    make_step(folder, 1)
+def test_two_writers_committing_the_same_step_one_wins(store):
+    prepare_step(store, 5)
+    rec = store.sub("step-5").write("actors/a.0.msgpack", b"abc")
+    results = []
+
+    def commit(tag: str) -> None:
+        m = layout.Manifest(5, {"a": layout.Component("actor", 1, [rec])}, extra=tag)
+        try:
+            commit_step(store, m)
+            results.append(("won", tag))
+        except CheckpointSaveError as e:
+            results.append(("lost", str(e)))
+
+    threads = [threading.Thread(target=commit, args=(t,)) for t in ("a", "b")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(r[0] for r in results) == ["lost", "won"]
+    lost = next(r[1] for r in results if r[0] == "lost")
+    assert "another writer is committing the same step" in lost
+    winner = next(r[1] for r in results if r[0] == "won")
+    assert layout.read_committed(store, 5).extra == winner
+
+
+def test_prepare_refuses_committed_and_clears_leftover(store):
+    make_step(store, 1)
     with pytest.raises(CheckpointSaveError, match="already committed"):
-        prepare_step(folder, 1)
-    leftover = make_step(folder, 2, commit=False)
-    open(os.path.join(leftover, "junk"), "w").close()
-    prepare_step(folder, 2)
-    assert sorted(os.listdir(leftover)) == ["actors", "trainer"]
+        prepare_step(store, 1)
+    make_step(store, 2, commit=False)
+    store.write("step-2/junk", b"j")
+    prepare_step(store, 2)
+    assert [p for p, _ in store.walk("step-2")] == []
 
 
-def test_remove_uncommitted(tmp_path):
-    folder = str(tmp_path)
-    make_step(folder, 1)
-    make_step(folder, 2, commit=False)
-    open(os.path.join(folder, "x.tmp.123"), "w").close()
-    assert remove_uncommitted(folder) == [2]
-    assert layout.all_steps(folder) == [1]
-    assert not os.path.exists(os.path.join(folder, "x.tmp.123"))
+def test_remove_uncommitted(store):
+    make_step(store, 1)
+    make_step(store, 2, commit=False)
+    store.write("x.tmp.123", b"")
+    assert remove_uncommitted(store) == [2]
+    assert layout.all_steps(store) == [1]
+    assert not store.exists("x.tmp.123")
 
 
 @pytest.mark.parametrize(
@@ -114,40 +143,55 @@ def test_retention_policy(policy, committed, deleted):
     assert policy.to_delete(committed) == deleted
 
 
-def test_apply_retention_removes_marker_first(tmp_path, monkeypatch):
-    folder = str(tmp_path)
+def test_apply_retention_removes_marker_first(store, monkeypatch):
     for s in (1, 2, 3):
-        make_step(folder, s)
-    import shutil
-
+        make_step(store, s)
     seen = []
-    real = shutil.rmtree
+    real = store.delete_prefix
 
-    def spy(path, *a, **k):  # by the time files go, the marker must already be gone
-        seen.append(os.path.exists(os.path.join(path, layout.MARKER)))
-        return real(path, *a, **k)
+    def spy(prefix):  # by the time files go, the marker must already be gone
+        seen.append(store.exists(f"{prefix}/{layout.MARKER}"))
+        return real(prefix)
 
-    monkeypatch.setattr(shutil, "rmtree", spy)
-    assert apply_retention(folder, RetentionPolicy(keep_last=1)) == [1, 2]
+    monkeypatch.setattr(store, "delete_prefix", spy)
+    assert apply_retention(store, RetentionPolicy(keep_last=1)) == [1, 2]
     assert seen and not any(seen)
-    assert layout.committed_steps(folder) == [3]
+    assert layout.committed_steps(store) == [3]
 
 
-def test_remove_step_is_never_half_loadable(tmp_path, monkeypatch):
-    import shutil
+def test_remove_step_is_never_half_loadable(store, monkeypatch):
+    make_step(store, 4)
 
-    folder = str(tmp_path)
-    path = make_step(folder, 4)
+    def failing(prefix):  # deletion of the files fails midway
+        raise OSError(5, "Input/output error")
 
-    def failing_rmtree(p, ignore_errors=False, **k):  # deletion of the files fails midway
-        if not ignore_errors:
-            raise OSError(5, "Input/output error")
-
-    monkeypatch.setattr(shutil, "rmtree", failing_rmtree)
+    monkeypatch.setattr(store, "delete_prefix", failing)
     with pytest.raises(OSError):
-        remove_step(path)
-    assert os.path.exists(os.path.join(path, layout.MANIFEST))
-    assert layout.committed_steps(folder) == []  # the marker went first: never half-loadable
+        remove_step(store, 4)
+    assert store.exists("step-4/manifest.json")
+    assert layout.committed_steps(store) == []  # the marker went first: never half-loadable
+
+
+def test_quarantine_and_retire(store):
+    for s in (1, 2, 3):
+        make_step(store, s)
+    dest = quarantine_step(store, 3)
+    assert layout.committed_steps(store) == [1, 2]
+    assert layout.quarantined(store) == [dest.split("/")[-1]]
+    make_step(store, 3)  # the same step number can be committed again
+    assert retire_after(store, 1) == [2, 3]
+    assert layout.committed_steps(store) == [1]
+
+
+def test_listing_past_1000_entries(store):
+    prepare_step(store, 1)
+    sub = store.sub("step-1")
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(16) as pool:
+        list(pool.map(lambda i: sub.write(f"actors/f{i:05d}", b"."), range(1500)))
+    assert len(sub.walk("actors")) == 1500
+    assert len(sub.list("actors")) == 1500
 
 
 @pytest.mark.parametrize("name", ["", "a/b", "..", "../x", "a\\b", ".hidden", "trainer", "a..b", 3])
@@ -156,29 +200,49 @@ def test_invalid_names(name):
         layout.check_name(name)
 
 
-def test_lock_refuses_second_holder(tmp_path):
-    a, b = FolderLock(str(tmp_path)), FolderLock(str(tmp_path))
+# ---- the lease ----------------------------------------------------------------------------
+
+
+def test_lease_refuses_second_holder_and_release_hands_over(store):
+    a, b = Lease(store), Lease(store)
     a.acquire()
     with pytest.raises(CheckpointLockedError, match=rf"pid {os.getpid()}, started"):
         b.acquire()
     a.release()
     b.acquire()
+    assert b.generation == a.generation + 1
     b.release()
 
 
-def test_lock_of_dead_holder_is_taken_over(tmp_path):
+def test_expired_lease_is_taken_over_and_the_stale_holder_cannot_renew(store, monkeypatch):
+    a = Lease(store, ttl_s=0.5)
+    a.acquire()
+    a._stop.set()  # a stalled holder: no renewals
+    monkeypatch.setattr("forge_ckpt.lock._proc_start", lambda pid: "not-the-same")
+    time.sleep(0.7)
+    b = Lease(store, ttl_s=30)
+    b.acquire()
+    assert b.generation == a.generation + 1
+    with pytest.raises(CheckpointLockedError, match="lost the lease"):
+        a.renew()  # the fencing check the commit makes before its marker
+    b.release()
+
+
+def test_lease_of_dead_local_holder_is_taken_over_at_once(tmp_path):
     code = (
-        "import sys, time; from forge_ckpt.lock import FolderLock; "
-        "FolderLock(sys.argv[1]).acquire(); print('held', flush=True); time.sleep(60)"
+        "import sys, time; from forge_ckpt.lock import Lease; from forge_ckpt.storage import "
+        "open_storage; Lease(open_storage(sys.argv[1]), ttl_s=600).acquire(); "
+        "print('held', flush=True); time.sleep(60)"
     )
     child = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE)
     assert child.stdout.readline().strip() == b"held"
+    store = open_storage(str(tmp_path))
     with pytest.raises(CheckpointLockedError, match=f"pid {child.pid}"):
-        FolderLock(str(tmp_path)).acquire()
+        Lease(store).acquire()
     child.kill()
     child.wait()
-    lock = FolderLock(str(tmp_path))
-    lock.acquire()  # the kernel released the dead holder's flock
-    info = json.loads(open(os.path.join(tmp_path, layout.LOCK)).read())
-    assert info["pid"] == os.getpid() and info["started"] <= time.time()
-    lock.release()
+    lease = Lease(store)
+    lease.acquire()  # its process is gone: no need to wait 600 s for the expiry
+    info = json.loads(open(os.path.join(tmp_path, layout.LEASE)).read())
+    assert info["pid"] == os.getpid() and info["generation"] == 2
+    lease.release()

@@ -27,7 +27,7 @@ import _trainer_model  # noqa: E402
 
 from forge_ckpt import layout, serialization  # noqa: E402
 from forge_ckpt.errors import CheckpointCorruptError, CheckpointError  # noqa: E402
-from forge_ckpt.storage import checksum_file  # noqa: E402
+from forge_ckpt.storage import FileRecord, open_storage  # noqa: E402
 from forge_ckpt.trainer import spawn_trainer_ranks  # noqa: E402
 
 
@@ -210,12 +210,13 @@ def fresh(rank_actor):
 
 def check_reported_files(step_dir: str, records: list[list[dict]], world: int) -> None:
     for rank, recs in enumerate(records):
-        expected = {f"__{rank}_0.distcp", layout.trainer_rank_file(rank)}
+        shards = {r["path"] for r in recs if r["path"].endswith(".distcp")}
+        assert shards and all(p.startswith(f"__{rank}_") for p in shards)  # DCP's names, per rank
+        expected = shards | {layout.trainer_rank_file(rank)}
         expected |= {".metadata"} if rank == 0 else set()
         assert {r["path"] for r in recs} == expected
-        for r in recs:
-            got = checksum_file(os.path.join(step_dir, r["path"]))
-            assert (got.size, got.crc32c) == (r["size"], r["crc32c"])
+        for r in recs:  # checksummed while written: equal to what is on disk
+            open_storage(step_dir).verify(r["path"], FileRecord.from_dict(r))
     on_disk = {
         os.path.relpath(os.path.join(d, f), step_dir) for d, _, fs in os.walk(step_dir) for f in fs
     }

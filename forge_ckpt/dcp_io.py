@@ -1,0 +1,172 @@
+"""DCP's `StorageWriter` / `StorageReader` over forge_ckpt's storage seam.
+
+The files stay standard DCP (`__<rank>_<k>.distcp` written by DCP's own serializer, a pickled
+`.metadata`), so stock DCP and TorchTitan load a local step folder and DCP's fsspec reader an
+S3 one. What changes is where the bytes go: DCP's `FileSystemWriter` writes through a
+`FileSystemBase`, the same extension point DCP's fsspec writer uses, and ours sends each file
+through `Storage.writer`: straight to the destination (a local file, or a parallel multipart
+upload), checksummed as it passes, so no file is ever read back for its CRC32C. Each rank
+records the files it wrote; those records are what it reports to the coordinator.
+
+Reading: `.metadata` is checked against the manifest and then unpickled with an allowlist
+(`dcp_metadata`), never with `pickle.load`; shards come from the storage (ranged parallel GETs
+on S3), verified against their records unless this rank verified them already.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import threading
+from collections.abc import Generator
+from contextlib import contextmanager
+from typing import Any
+
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.filesystem import FileSystemBase
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+
+from .errors import CheckpointCorruptError
+from .storage import FileRecord, Storage
+
+METADATA = ".metadata"
+
+
+class _WriteStream(io.RawIOBase):
+    """The file object DCP writes into: forwards to a storage writer, counts for `tell()`."""
+
+    def __init__(self, writer: Any) -> None:
+        self._w, self._pos = writer, 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b: Any) -> int:
+        n = memoryview(b).nbytes
+        self._w.write(b)
+        self._pos += n
+        return n
+
+    def tell(self) -> int:
+        return self._pos
+
+
+class SeamFileSystem(FileSystemBase):
+    """DCP's file-system interface on a `Storage` rooted at the step folder."""
+
+    def __init__(
+        self,
+        store: Storage,
+        expected: dict[str, FileRecord] | None = None,
+        cache: dict[str, bytes | bytearray] | None = None,
+    ) -> None:
+        self.store = store
+        self.expected = expected or {}  # path -> record: verified on read
+        self.cache = cache if cache is not None else {}  # path -> verified bytes
+        self.records: dict[str, FileRecord] = {}
+        self._lock = threading.Lock()
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Generator[Any, None, None]:
+        rel = str(path)
+        if mode == "wb":
+            with self.store.writer(rel) as w:
+                yield _WriteStream(w)
+                rec = w.close()
+            with self._lock:
+                self.records[rel] = rec
+        elif mode == "rb":
+            yield io.BytesIO(self.read(rel))
+        else:
+            raise ValueError(f"unsupported mode {mode!r}")
+
+    def read(self, rel: str) -> bytes | bytearray:
+        data = self.cache.pop(rel, None)
+        if data is None:
+            data = self.store.read_verified(rel, self.expected.get(rel))
+        return data
+
+    def concat_path(self, path: str | os.PathLike, suffix: str) -> str:
+        return f"{path}/{suffix}" if str(path) else suffix
+
+    def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
+        # DCP renames `.metadata.tmp` to `.metadata`; the COMMIT marker, not this rename, is
+        # what makes a step visible, so a copy is as good as a rename here (S3 has none).
+        src, dst = str(path), str(new_path)
+        local = self.store.local_path(src)
+        if local is not None:
+            os.replace(local, self.store.local_path(dst))
+        else:
+            self.store.write(dst, self.store.read(src))
+            self.store.delete(src)
+        with self._lock:
+            rec = self.records.pop(src)
+            self.records[dst] = FileRecord(dst, rec.size, rec.crc32c)
+
+    def init_path(self, path: str | os.PathLike) -> str:
+        return str(path)
+
+    def mkdir(self, path: str | os.PathLike) -> None:
+        return None  # the coordinator created the step folder
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        return False  # never picked by DCP on its own
+
+    def exists(self, path: str | os.PathLike) -> bool:
+        return self.store.exists(str(path))
+
+    def rm_file(self, path: str | os.PathLike) -> None:
+        self.store.delete(str(path))
+
+    def ls(self, path: str | os.PathLike) -> list[str]:
+        return self.store.list(str(path))
+
+
+class SeamWriter(FileSystemWriter):
+    """Standard DCP files written through the seam by `thread_count` threads per rank."""
+
+    def __init__(self, store: Storage, thread_count: int = 2) -> None:
+        # sync_files=False: our storage writer makes each file durable itself (DCP would
+        # otherwise fall back to a machine-wide os.sync() for a stream without a fileno).
+        super().__init__("", sync_files=False, thread_count=thread_count)
+        self.fs = SeamFileSystem(store)
+        self.path = ""
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        super().reset(None)  # the folder is ours, never DCP's checkpoint_id
+
+    @property
+    def records(self) -> list[FileRecord]:
+        return sorted(self.fs.records.values(), key=lambda r: r.path)
+
+
+class SeamReader(FileSystemReader):
+    """DCP's reader over the seam: verified bytes, and metadata without `pickle.load`."""
+
+    def __init__(
+        self,
+        store: Storage,
+        expected: dict[str, FileRecord],
+        cache: dict[str, bytes | bytearray] | None = None,
+    ) -> None:
+        super().__init__("")
+        self.fs = SeamFileSystem(store, expected, cache)
+        self.path = ""
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        super().reset(None)
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        from .dcp_metadata import load_metadata
+
+        if kwargs.get("rank") is not None:
+            raise CheckpointCorruptError(
+                self.fs.store.where(METADATA), "per-rank metadata is not used"
+            )
+        data = self.fs.read(METADATA)
+        metadata = load_metadata(data, self.fs.store.where(METADATA))
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata

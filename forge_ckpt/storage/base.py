@@ -1,0 +1,272 @@
+"""The storage seam: the only way forge_ckpt touches checkpoint bytes.
+
+Two implementations, chosen by the folder URL (`open_storage`): a local path or `file://`
+(POSIX: fsync, rename, link) and `s3://bucket/prefix` (any S3-compatible endpoint: conditional
+writes instead of rename and flock). Paths inside a storage are `str`, '/'-separated and
+relative to its root, never `pathlib.Path` (which mangles `s3://`).
+
+A `Storage` is a live object with open clients; what crosses process boundaries (to actors and
+trainer ranks) is its `StorageSpec`: the URL plus options, picklable, with secrets hidden from
+`repr` so they never reach logs or error messages.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any
+
+import crc32c as _crc32c
+
+from ..errors import CheckpointCorruptError, CheckpointError
+
+CHUNK = 64 * 1024 * 1024  # large sequential writes and reads; bounds a read buffer
+_SECRET_KEYS = ("secret", "token", "password", "key_id")
+
+
+class StorageError(CheckpointError, OSError):
+    """The storage refused or failed an operation; the message names the URL, never secrets."""
+
+
+class AlreadyExistsError(StorageError):
+    """A create-if-absent found the object already there (another writer got there first)."""
+
+
+class PreconditionFailedError(StorageError):
+    """A replace-if-unchanged found a different version than the one read."""
+
+
+@dataclass(frozen=True)
+class FileRecord:
+    """What a component reports for each file it wrote: path relative to the step folder."""
+
+    path: str
+    size: int
+    crc32c: str  # 8 lowercase hex digits
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"path": self.path, "size": self.size, "crc32c": self.crc32c}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> FileRecord:
+        return cls(path=str(d["path"]), size=int(d["size"]), crc32c=str(d["crc32c"]))
+
+
+@dataclass(frozen=True)
+class StorageSpec:
+    """A picklable description of a storage: what actors and trainer ranks open themselves."""
+
+    url: str
+    options: dict[str, Any] = field(default_factory=dict)
+
+    def __repr__(self) -> str:
+        shown = {k: ("***" if _is_secret(k) else v) for k, v in sorted(self.options.items())}
+        return f"StorageSpec({self.url!r}, {shown})"
+
+    def child(self, prefix: str) -> StorageSpec:
+        return StorageSpec(join(self.url, prefix), self.options)
+
+    def __hash__(self) -> int:
+        return hash((self.url, tuple(sorted((k, repr(v)) for k, v in self.options.items()))))
+
+
+def _is_secret(key: str) -> bool:
+    return any(s in key.lower() for s in _SECRET_KEYS)
+
+
+def join(*parts: str) -> str:
+    """Join path parts with '/', keeping a URL scheme intact."""
+    out = parts[0].rstrip("/")
+    for p in parts[1:]:
+        p = p.strip("/")
+        if p:
+            out = f"{out}/{p}"
+    return out
+
+
+def crc32c_of_bytes(data: Any) -> str:
+    return f"{_crc32c.crc32c(memoryview(data).cast('B')):08x}"
+
+
+def crc_update(crc: int, data: Any) -> int:
+    return _crc32c.crc32c(data, crc)
+
+
+def check_record(where: str, size: int, crc: int | str, expected: FileRecord) -> None:
+    """Raise CheckpointCorruptError naming `where` when size or checksum differ."""
+    crc_hex = crc if isinstance(crc, str) else f"{crc:08x}"
+    if size != expected.size:
+        raise CheckpointCorruptError(
+            where,
+            f"size is {size} bytes, the manifest says {expected.size} (truncated or replaced)",
+        )
+    if crc_hex != expected.crc32c:
+        raise CheckpointCorruptError(
+            where, f"checksum mismatch: crc32c is {crc_hex}, the manifest says {expected.crc32c}"
+        )
+
+
+def fault(op: str, allow_skip: bool = True) -> bool:
+    """Fail on request, for tests: `FORGE_CKPT_FAULT=write:ENOSPC` (or `fsync:EIO`, ...) makes
+    every matching operation in this process raise that errno; `fsync:sleep=0.2` makes it slow;
+    `fsync:skip` / `fsync_dir:skip` silently skip file / directory fsyncs (the power-loss tests
+    prove they would catch that). Operations: open, write, fsync, fsync_dir, rename, put, get.
+    Returns True when the operation must be skipped."""
+    spec = os.environ.get("FORGE_CKPT_FAULT")
+    if not spec:
+        return False
+    skip = False
+    for item in spec.split(","):
+        want, _, code = item.partition(":")
+        if want != op:
+            continue
+        if code.startswith("sleep="):
+            time.sleep(float(code.removeprefix("sleep=")))
+        elif code == "skip":
+            skip = skip or allow_skip
+        else:
+            num = getattr(errno, code or "EIO")
+            raise OSError(num, f"{os.strerror(num)} (injected by FORGE_CKPT_FAULT)")
+    return skip
+
+
+class Writer(ABC):
+    """One object/file being written; bytes are checksummed as they pass (no read-back)."""
+
+    path: str
+
+    @abstractmethod
+    def write(self, data: Any) -> None: ...
+
+    @abstractmethod
+    def close(self) -> FileRecord:
+        """Make the object durable and return its record (path as given to `writer`)."""
+
+    @abstractmethod
+    def abort(self) -> None:
+        """Drop what was written; never raises for an already-missing object."""
+
+    def __enter__(self) -> Writer:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is not None:
+            self.abort()
+
+
+class Storage(ABC):
+    """A folder of objects. Every method takes paths relative to the root."""
+
+    spec: StorageSpec
+
+    @property
+    def url(self) -> str:
+        return self.spec.url
+
+    def where(self, path: str = "") -> str:
+        """The full URL of `path`, for messages."""
+        return join(self.url, path) if path else self.url
+
+    @abstractmethod
+    def sub(self, prefix: str) -> Storage:
+        """The same storage rooted at `prefix` (shares clients; cheap)."""
+
+    # ---- writing ---------------------------------------------------------------------------
+    @abstractmethod
+    def writer(self, path: str) -> Writer: ...
+
+    def write(self, path: str, data: Any) -> FileRecord:
+        """Write a whole object durably (not atomically visible on POSIX: use `publish`)."""
+        with self.writer(path) as w:
+            w.write(data)
+            return w.close()
+
+    @abstractmethod
+    def publish(self, path: str, data: bytes) -> FileRecord:
+        """Replace `path` so that readers see the old or the whole new content, durably."""
+
+    @abstractmethod
+    def create(self, path: str, data: bytes) -> str:
+        """Create `path` only if absent (atomic, durable); returns its version tag.
+        Raises AlreadyExistsError if it exists."""
+
+    @abstractmethod
+    def replace(self, path: str, data: bytes, tag: str) -> str:
+        """Replace `path` only if its version is still `tag`; returns the new tag.
+        Raises PreconditionFailedError otherwise (also when it vanished)."""
+
+    @abstractmethod
+    def read_tagged(self, path: str) -> tuple[bytes, str] | None:
+        """Content and version tag, or None if absent."""
+
+    # ---- reading ---------------------------------------------------------------------------
+    @abstractmethod
+    def read(self, path: str, start: int = 0, end: int | None = None) -> bytearray:
+        """Bytes [start, end) of an object (whole by default). FileNotFoundError if absent."""
+
+    def read_verified(self, path: str, expected: FileRecord | None = None) -> bytearray:
+        """The whole object, checked against `expected` (size and crc32c) when given."""
+        try:
+            buf = self.read(path)
+        except FileNotFoundError:
+            raise CheckpointCorruptError(self.where(path), "file is missing") from None
+        if expected is not None:
+            check_record(self.where(path), len(buf), crc32c_of_bytes(buf), expected)
+        return buf
+
+    def verify(self, path: str, expected: FileRecord) -> None:
+        """Check an object against its record without keeping it in memory."""
+        self.read_verified(path, expected)
+
+    @abstractmethod
+    def size(self, path: str) -> int | None:
+        """Size in bytes, or None if absent."""
+
+    def exists(self, path: str) -> bool:
+        return self.size(path) is not None
+
+    @abstractmethod
+    def list(self, prefix: str = "") -> list[str]:
+        """Names of the immediate children (objects and sub-folders) of `prefix`, sorted."""
+
+    @abstractmethod
+    def walk(self, prefix: str = "") -> list[tuple[str, int]]:
+        """Every object under `prefix`: (path relative to the root, size), sorted."""
+
+    # ---- deleting and moving ---------------------------------------------------------------
+    @abstractmethod
+    def delete(self, path: str) -> None:
+        """Remove one object, durably; a missing one is fine."""
+
+    @abstractmethod
+    def delete_prefix(self, prefix: str) -> None:
+        """Remove everything under `prefix`."""
+
+    @abstractmethod
+    def move_prefix(self, src: str, dst: str, first: str | None = None) -> None:
+        """Move a folder (POSIX rename; on object stores copy, then delete the object `first`
+        before the others, so that a reader never sees a half-deleted source as whole)."""
+
+    def abort_uploads(self, prefix: str = "") -> int:
+        """Abort unfinished uploads left by crashed writers; returns how many."""
+        return 0
+
+    # ---- folders (POSIX only; object stores have none) ------------------------------------
+    def makedirs(self, prefix: str) -> None:
+        """Create a folder and make its name durable."""
+        return None  # object stores have nothing to do here
+
+    def sync_dir(self, prefix: str = "") -> None:
+        """Make the names in a folder durable (fsync of the directory)."""
+        return None  # object stores have nothing to do here
+
+    def local_path(self, path: str = "") -> str | None:
+        """The OS path of `path` on a local storage, else None."""
+        return None
+
+    def close(self) -> None:
+        """Release thread pools and clients."""
+        return None  # object stores have nothing to do here

@@ -1,0 +1,271 @@
+"""Local (POSIX) storage: fsync of files and folders, atomic rename, create-exclusive by link.
+
+Durability follows the strict POSIX model that the power-loss tests enforce: a file's data is
+durable after its fsync, a name only after the fsync of the folder that holds it. So every
+publish is temp file + fsync + rename + fsync(folder), every create-if-absent is temp file +
+fsync + link (fails if the name exists) + fsync(folder).
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import mmap
+import os
+import shutil
+import uuid
+from typing import Any
+
+from ..errors import CheckpointCorruptError
+from .base import (
+    CHUNK,
+    AlreadyExistsError,
+    FileRecord,
+    PreconditionFailedError,
+    Storage,
+    StorageSpec,
+    Writer,
+    check_record,
+    crc32c_of_bytes,
+    crc_update,
+    fault,
+)
+
+
+def fsync_dir(path: str) -> None:
+    """Make the directory entries in `path` durable (a file's fsync does not cover its name)."""
+    if fault("fsync_dir"):
+        return
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fault("fsync", allow_skip=False)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class LocalWriter(Writer):
+    """A file opened for writing that checksums bytes as they pass and fsyncs on close."""
+
+    def __init__(self, full: str, path: str) -> None:
+        self.full, self.path = full, path
+        fault("open")
+        self._fd = os.open(full, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self._crc = 0
+        self._size = 0
+
+    def write(self, data: Any) -> None:
+        mv = memoryview(data).cast("B")
+        for start in range(0, len(mv), CHUNK):
+            chunk = mv[start : start + CHUNK]
+            self._crc = crc_update(self._crc, chunk)
+            fault("write")
+            view = chunk
+            while len(view):
+                n = os.write(self._fd, view)
+                view = view[n:]
+            self._size += len(chunk)
+
+    def close(self) -> FileRecord:
+        try:
+            if not fault("fsync"):
+                os.fsync(self._fd)
+        finally:
+            os.close(self._fd)
+            self._fd = -1
+        return FileRecord(self.path, self._size, f"{self._crc:08x}")
+
+    def abort(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+        try:
+            os.unlink(self.full)
+        except FileNotFoundError:
+            pass
+
+
+class LocalStorage(Storage):
+    def __init__(self, spec: StorageSpec) -> None:
+        root = spec.url.removeprefix("file://")
+        self.root = os.path.abspath(root)
+        self.spec = StorageSpec(self.root, dict(spec.options))
+
+    def sub(self, prefix: str) -> LocalStorage:
+        return LocalStorage(self.spec.child(prefix))
+
+    def _p(self, path: str) -> str:
+        return os.path.join(self.root, path) if path else self.root
+
+    def local_path(self, path: str = "") -> str:
+        return self._p(path)
+
+    # ---- writing ---------------------------------------------------------------------------
+    def writer(self, path: str) -> LocalWriter:
+        return LocalWriter(self._p(path), path)
+
+    def _write_temp(self, path: str, data: bytes) -> tuple[str, FileRecord]:
+        tmp = f"{self._p(path)}.tmp.{os.getpid()}.{uuid.uuid4().hex[:8]}"
+        try:
+            with LocalWriter(tmp, path) as w:
+                w.write(data)
+                return tmp, w.close()
+        except BaseException:
+            _unlink(tmp)
+            raise
+
+    def publish(self, path: str, data: bytes) -> FileRecord:
+        tmp, rec = self._write_temp(path, data)
+        try:
+            fault("rename")
+            os.replace(tmp, self._p(path))
+        except BaseException:
+            _unlink(tmp)
+            raise
+        fsync_dir(os.path.dirname(self._p(path)))
+        return rec
+
+    def create(self, path: str, data: bytes) -> str:
+        tmp, rec = self._write_temp(path, data)
+        try:
+            fault("rename")
+            os.link(tmp, self._p(path))
+        except FileExistsError:
+            raise AlreadyExistsError(
+                errno.EEXIST, f"{self.where(path)} already exists (written by another writer)"
+            ) from None
+        finally:
+            _unlink(tmp)
+        fsync_dir(os.path.dirname(self._p(path)))
+        return _tag(rec.size, rec.crc32c)
+
+    def replace(self, path: str, data: bytes, tag: str) -> str:
+        # POSIX has no compare-and-swap on a file: an flock on a side file makes
+        # read-compare-rename atomic among writers that use it (all of ours do).
+        fd = os.open(f"{self._p(path)}.mutex", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            current = self.read_tagged(path)
+            if current is None or current[1] != tag:
+                raise PreconditionFailedError(
+                    errno.ESTALE, f"{self.where(path)} changed since it was read"
+                )
+            rec = self.publish(path, data)
+            return _tag(rec.size, rec.crc32c)
+        finally:
+            os.close(fd)  # releases the flock
+
+    def read_tagged(self, path: str) -> tuple[bytes, str] | None:
+        try:
+            with open(self._p(path), "rb") as f:
+                data = f.read()
+        except FileNotFoundError:
+            return None
+        return data, _tag(len(data), crc32c_of_bytes(data))
+
+    # ---- reading ---------------------------------------------------------------------------
+    def read(self, path: str, start: int = 0, end: int | None = None) -> bytearray:
+        fault("get")
+        with open(self._p(path), "rb", buffering=0) as f:
+            size = os.fstat(f.fileno()).st_size
+            end = size if end is None else min(end, size)
+            buf = bytearray(max(end - start, 0))
+            mv = memoryview(buf)
+            pos = 0
+            f.seek(start)
+            while pos < len(buf):
+                n = f.readinto(mv[pos : pos + CHUNK])
+                if not n:
+                    raise CheckpointCorruptError(self.where(path), f"file ended after {pos} bytes")
+                pos += n
+        return buf
+
+    def verify(self, path: str, expected: FileRecord) -> None:
+        """Checksum through a memory map: no copy into Python buffers (4-5x faster warm)."""
+        full = self._p(path)
+        try:
+            f = open(full, "rb", buffering=0)
+        except FileNotFoundError:
+            raise CheckpointCorruptError(full, "file is missing") from None
+        with f:
+            size = os.fstat(f.fileno()).st_size
+            crc = 0
+            if size:
+                with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+                    m.madvise(mmap.MADV_SEQUENTIAL)
+                    with memoryview(m) as mv:
+                        for pos in range(0, size, CHUNK):
+                            crc = crc_update(crc, mv[pos : pos + CHUNK])
+        check_record(full, size, crc, expected)
+
+    def size(self, path: str) -> int | None:
+        try:
+            return os.stat(self._p(path)).st_size
+        except FileNotFoundError:
+            return None
+
+    def list(self, prefix: str = "") -> list[str]:
+        try:
+            return sorted(os.listdir(self._p(prefix)))
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+
+    def walk(self, prefix: str = "") -> list[tuple[str, int]]:
+        out = []
+        for dirpath, _, files in os.walk(self._p(prefix)):
+            rel = os.path.relpath(dirpath, self.root)
+            for name in files:
+                p = name if rel == "." else f"{rel}/{name}"
+                try:
+                    out.append((p, os.stat(os.path.join(dirpath, name)).st_size))
+                except FileNotFoundError:
+                    continue
+        return sorted(out)
+
+    # ---- deleting and moving ---------------------------------------------------------------
+    def delete(self, path: str) -> None:
+        try:
+            os.unlink(self._p(path))
+        except FileNotFoundError:
+            return
+        fsync_dir(os.path.dirname(self._p(path)))
+
+    def delete_prefix(self, prefix: str) -> None:
+        full = self._p(prefix)
+        shutil.rmtree(full, ignore_errors=True)
+        if os.path.exists(full):
+            shutil.rmtree(full)  # second try raises with the reason
+
+    def move_prefix(self, src: str, dst: str, first: str | None = None) -> None:
+        os.makedirs(os.path.dirname(self._p(dst)), exist_ok=True)
+        fault("rename")
+        os.rename(self._p(src), self._p(dst))
+        fsync_dir(os.path.dirname(self._p(src)))
+        fsync_dir(os.path.dirname(self._p(dst)))
+
+    def makedirs(self, prefix: str) -> None:
+        full = self._p(prefix)
+        missing = []
+        while not os.path.isdir(full):
+            missing.append(full)
+            full = os.path.dirname(full)
+        for d in reversed(missing):
+            try:
+                os.mkdir(d)
+            except FileExistsError:  # another rank or actor made it meanwhile
+                continue
+            fsync_dir(os.path.dirname(d))
+
+    def sync_dir(self, prefix: str = "") -> None:
+        fsync_dir(self._p(prefix))
+
+
+def _tag(size: int, crc: str) -> str:
+    return f"{size}-{crc}"
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass

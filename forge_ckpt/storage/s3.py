@@ -1,0 +1,374 @@
+"""S3-compatible object storage through boto3 (see docs/storage.md for why this client).
+
+No rename, no folders, no fsync, no flock: a PUT is atomic per object and durable when it
+returns; conditional writes (`If-None-Match: *`, `If-Match: <etag>`) replace rename and locks.
+Large objects go up as multipart uploads whose parts are sent in parallel, and come down as
+parallel ranged GETs. The CRC32C of every object is computed as its bytes pass.
+
+Endpoint, region and credentials come from boto3's usual chain (AWS_ENDPOINT_URL,
+AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_REGION, profiles) unless `storage_options` name
+them. Throttling, 5xx and dropped connections are retried with exponential backoff
+(botocore's "standard" mode, `max_attempts` tries).
+"""
+
+from __future__ import annotations
+
+import errno
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from ..errors import CheckpointCorruptError
+from .base import (
+    AlreadyExistsError,
+    FileRecord,
+    PreconditionFailedError,
+    Storage,
+    StorageError,
+    StorageSpec,
+    Writer,
+    crc_update,
+    fault,
+    join,
+)
+
+OPTIONS = {
+    "endpoint_url": None,
+    "region_name": None,
+    "aws_access_key_id": None,
+    "aws_secret_access_key": None,
+    "aws_session_token": None,
+    "profile_name": None,
+    "part_size_mb": 32,
+    "max_concurrency": 8,
+    "max_attempts": 8,
+    "connect_timeout_s": 10.0,
+    "read_timeout_s": 120.0,
+}
+_CLIENT_KEYS = ("endpoint_url", "region_name", "aws_access_key_id", "aws_secret_access_key")
+_clients: dict[Any, Any] = {}
+_clients_lock = threading.Lock()
+
+
+def _client(opts: dict[str, Any]) -> Any:
+    """One boto3 client per process and configuration (clients are thread-safe)."""
+    key = tuple(sorted((k, str(v)) for k, v in opts.items()))
+    with _clients_lock:
+        if key not in _clients:
+            import boto3
+            from botocore.config import Config
+
+            session = boto3.session.Session(profile_name=opts["profile_name"])
+            conf = Config(
+                retries={"max_attempts": int(opts["max_attempts"]), "mode": "standard"},
+                max_pool_connections=max(32, 2 * int(opts["max_concurrency"])),
+                connect_timeout=float(opts["connect_timeout_s"]),
+                read_timeout=float(opts["read_timeout_s"]),
+                s3={"addressing_style": "path"},
+            )
+            kwargs = {k: opts[k] for k in _CLIENT_KEYS if opts[k] is not None}
+            if opts["aws_session_token"] is not None:
+                kwargs["aws_session_token"] = opts["aws_session_token"]
+            _clients[key] = session.client("s3", config=conf, **kwargs)
+        return _clients[key]
+
+
+def parse_url(url: str) -> tuple[str, str]:
+    rest = url.removeprefix("s3://")
+    bucket, _, prefix = rest.partition("/")
+    if not bucket:
+        raise ValueError(f"{url!r}: an S3 folder URL is s3://BUCKET/PREFIX")
+    return bucket, prefix.strip("/")
+
+
+class S3Storage(Storage):
+    def __init__(self, spec: StorageSpec, pool: ThreadPoolExecutor | None = None) -> None:
+        unknown = sorted(set(spec.options) - set(OPTIONS))
+        if unknown:
+            raise ValueError(f"unknown storage_options {unknown}; known: {sorted(OPTIONS)}")
+        self.spec = spec
+        self.opts = {**OPTIONS, **spec.options}
+        self.bucket, self.prefix = parse_url(spec.url)
+        self.part_size = int(self.opts["part_size_mb"]) * 1024 * 1024
+        self.client = _client(self.opts)
+        self._pool = pool
+
+    @property
+    def pool(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            n = int(self.opts["max_concurrency"])
+            self._pool = ThreadPoolExecutor(n, thread_name_prefix="forge-ckpt-s3")
+        return self._pool
+
+    def sub(self, prefix: str) -> S3Storage:
+        return S3Storage(self.spec.child(prefix), self._pool)
+
+    def key(self, path: str) -> str:
+        return join(self.prefix, path) if self.prefix else path.strip("/")
+
+    def _call(self, what: str, path: str, fn: Any, **kw: Any) -> Any:
+        """Run one S3 call; turn its failure into an error naming the object and the cause."""
+        fault("put" if what == "write" else "get")
+        try:
+            return fn(Bucket=self.bucket, **kw)
+        except Exception as e:  # botocore raises many unrelated types
+            raise _translate(e, what, self.where(path), self.opts.get("endpoint_url")) from None
+
+    # ---- writing ---------------------------------------------------------------------------
+    def writer(self, path: str) -> S3Writer:
+        return S3Writer(self, path)
+
+    def publish(self, path: str, data: bytes) -> FileRecord:
+        return self.write(path, data)  # a PUT is atomic: readers see old or new
+
+    def create(self, path: str, data: bytes) -> str:
+        try:
+            r = self._call("write", path, self.client.put_object, Key=self.key(path), Body=data,
+                           IfNoneMatch="*")  # fmt: skip
+        except PreconditionFailedError:
+            raise AlreadyExistsError(
+                errno.EEXIST, f"{self.where(path)} already exists (written by another writer)"
+            ) from None
+        return str(r["ETag"])
+
+    def replace(self, path: str, data: bytes, tag: str) -> str:
+        r = self._call(
+            "write", path, self.client.put_object, Key=self.key(path), Body=data, IfMatch=tag
+        )
+        return str(r["ETag"])
+
+    def read_tagged(self, path: str) -> tuple[bytes, str] | None:
+        try:
+            r = self._call("read", path, self.client.get_object, Key=self.key(path))
+        except FileNotFoundError:
+            return None
+        return r["Body"].read(), str(r["ETag"])
+
+    # ---- reading ---------------------------------------------------------------------------
+    def read(self, path: str, start: int = 0, end: int | None = None) -> bytearray:
+        # The first part comes with the object's total size (Content-Range): small objects
+        # cost one request, large ones fetch their other parts in parallel.
+        stop = start + self.part_size if end is None else min(end, start + self.part_size)
+        if stop <= start:
+            return bytearray()
+        first, total = self._get(path, start, stop)
+        end = total if end is None else min(end, total)
+        if start + len(first) >= end:
+            return first
+        buf = bytearray(end - start)
+        buf[: len(first)] = first
+        ranges = [
+            (o, min(o + self.part_size, end))
+            for o in range(start + len(first), end, self.part_size)
+        ]
+        _wait_all([self.pool.submit(self._get_into, path, buf, start, a, b) for a, b in ranges])
+        return buf
+
+    def _get(self, path: str, a: int, b: int) -> tuple[bytearray, int]:
+        """Bytes [a, b) (fewer at the end of the object) and the object's size."""
+        try:
+            r = self._call("read", path, self.client.get_object, Key=self.key(path),
+                           Range=f"bytes={a}-{b - 1}")  # fmt: skip
+        except StorageError as e:
+            if "InvalidRange" in str(e):  # an empty object, or a start past its end
+                return bytearray(), self.size(path) or 0
+            raise
+        data = bytearray(r["Body"].read())
+        content_range = r.get("ContentRange")  # absent when a server ignores the Range
+        total = int(str(content_range).rsplit("/", 1)[-1]) if content_range else a + len(data)
+        return data, total
+
+    def _get_into(self, path: str, buf: bytearray, base: int, a: int, b: int) -> None:
+        data, _ = self._get(path, a, b)
+        if len(data) != b - a:
+            raise CheckpointCorruptError(self.where(path), f"object changed while read at byte {a}")
+        buf[a - base : b - base] = data
+
+    def size(self, path: str) -> int | None:
+        try:
+            r = self._call("read", path, self.client.head_object, Key=self.key(path))
+        except FileNotFoundError:
+            return None
+        return int(r["ContentLength"])
+
+    def _pages(self, prefix: str, delimiter: str | None) -> Any:
+        kw = {"Bucket": self.bucket, "Prefix": self.key(prefix) + "/" if self.key(prefix) else ""}
+        if delimiter:
+            kw["Delimiter"] = delimiter
+        try:
+            yield from self.client.get_paginator("list_objects_v2").paginate(**kw)
+        except Exception as e:
+            raise _translate(e, "list", self.where(prefix), self.opts.get("endpoint_url")) from None
+
+    def list(self, prefix: str = "") -> list[str]:
+        names = set()
+        for page in self._pages(prefix, "/"):
+            for cp in page.get("CommonPrefixes", []):
+                names.add(cp["Prefix"].rstrip("/").rsplit("/", 1)[-1])
+            for obj in page.get("Contents", []):
+                names.add(obj["Key"].rsplit("/", 1)[-1])
+        return sorted(names)
+
+    def walk(self, prefix: str = "") -> list[tuple[str, int]]:
+        cut = len(self.prefix) + 1 if self.prefix else 0
+        out = []
+        for page in self._pages(prefix, None):
+            out += [(o["Key"][cut:], int(o["Size"])) for o in page.get("Contents", [])]
+        return sorted(out)
+
+    # ---- deleting and moving ---------------------------------------------------------------
+    def delete(self, path: str) -> None:
+        self._call("write", path, self.client.delete_object, Key=self.key(path))
+
+    def delete_prefix(self, prefix: str) -> None:
+        keys = [self.key(p) for p, _ in self.walk(prefix)]
+        for i in range(0, len(keys), 1000):
+            batch = {"Objects": [{"Key": k} for k in keys[i : i + 1000]], "Quiet": True}
+            r = self._call("write", prefix, self.client.delete_objects, Delete=batch)
+            if r.get("Errors"):
+                err = r["Errors"][0]
+                raise StorageError(
+                    errno.EIO, f"{self.where(err['Key'])}: delete failed: {err.get('Message')}"
+                )
+        self.abort_uploads(prefix)
+
+    def abort_uploads(self, prefix: str = "") -> int:
+        """Abort multipart uploads left under `prefix` by crashed writers (they cost storage)."""
+        kw = {"Prefix": self.key(prefix)}
+        r = self._call("list", prefix, self.client.list_multipart_uploads, **kw)
+        uploads = r.get("Uploads", [])
+        for up in uploads:
+            self._call("write", prefix, self.client.abort_multipart_upload, Key=up["Key"],
+                       UploadId=up["UploadId"])  # fmt: skip
+        return len(uploads)
+
+    def move_prefix(self, src: str, dst: str, first: str | None = None) -> None:
+        objects = self.walk(src)
+        for p, _ in objects:
+            rel = p[len(src.strip("/")) + 1 :]
+            self._call("write", p, self.client.copy_object, Key=self.key(join(dst, rel)),
+                       CopySource={"Bucket": self.bucket, "Key": self.key(p)})  # fmt: skip
+        if first is not None:
+            self.delete(first)
+        self.delete_prefix(src)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+
+class S3Writer(Writer):
+    """Buffers up to one part; small objects are one PUT, large ones a parallel multipart
+    upload with at most `max_concurrency` parts in flight (bounded memory)."""
+
+    def __init__(self, store: S3Storage, path: str) -> None:
+        self.store, self.path = store, path
+        self._buf = bytearray()
+        self._crc, self._size = 0, 0
+        self._upload_id: str | None = None
+        self._parts: list[Future] = []
+        self._slots = threading.Semaphore(int(store.opts["max_concurrency"]))
+
+    def write(self, data: Any) -> None:
+        mv = memoryview(data).cast("B")
+        self._crc = crc_update(self._crc, mv)
+        self._size += len(mv)
+        part = self.store.part_size
+        while len(mv):
+            take = min(part - len(self._buf), len(mv))
+            self._buf += mv[:take]
+            mv = mv[take:]
+            if len(self._buf) >= part:
+                self._send_part()
+
+    def _send_part(self) -> None:
+        s = self.store
+        if self._upload_id is None:
+            r = s._call("write", self.path, s.client.create_multipart_upload, Key=s.key(self.path))
+            self._upload_id = r["UploadId"]
+        data, self._buf = bytes(self._buf), bytearray()
+        self._slots.acquire()
+        number = len(self._parts) + 1
+        self._parts.append(s.pool.submit(self._upload, number, data))
+
+    def _upload(self, number: int, data: bytes) -> dict:
+        s = self.store
+        try:
+            r = s._call("write", self.path, s.client.upload_part, Key=s.key(self.path),
+                        UploadId=self._upload_id, PartNumber=number, Body=data)  # fmt: skip
+            return {"PartNumber": number, "ETag": r["ETag"]}
+        finally:
+            self._slots.release()
+
+    def close(self) -> FileRecord:
+        s = self.store
+        if self._upload_id is None:
+            s._call("write", self.path, s.client.put_object, Key=s.key(self.path),
+                    Body=bytes(self._buf))  # fmt: skip
+        else:
+            if self._buf:
+                self._send_part()
+            parts = _wait_all(self._parts)
+            s._call("write", self.path, s.client.complete_multipart_upload, Key=s.key(self.path),
+                    UploadId=self._upload_id, MultipartUpload={"Parts": parts})  # fmt: skip
+        self._buf = bytearray()
+        return FileRecord(self.path, self._size, f"{self._crc:08x}")
+
+    def abort(self) -> None:
+        for f in self._parts:
+            f.cancel()
+        if self._upload_id is not None:
+            s = self.store
+            try:
+                s.client.abort_multipart_upload(
+                    Bucket=s.bucket, Key=s.key(self.path), UploadId=self._upload_id
+                )
+            except Exception:  # the save's own error matters more; leftovers are aborted at start
+                pass
+            self._upload_id = None
+        self._buf = bytearray()
+
+
+def _wait_all(futures: list[Future]) -> list[Any]:
+    """Results in order; on the first failure cancel the rest and raise it."""
+    try:
+        return [f.result() for f in futures]
+    except BaseException:
+        for f in futures:
+            f.cancel()
+        raise
+
+
+def _translate(e: Exception, what: str, where: str, endpoint: str | None) -> Exception:
+    """A clear error naming the object and what to do; credentials never appear."""
+    from botocore.exceptions import ClientError, EndpointConnectionError, NoCredentialsError
+
+    at = f" at {endpoint}" if endpoint else ""
+    if isinstance(e, ClientError):
+        code = str(e.response.get("Error", {}).get("Code", ""))
+        status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        if code in ("NoSuchKey", "404", "NotFound"):
+            return FileNotFoundError(errno.ENOENT, f"{where} does not exist")
+        if code in ("PreconditionFailed", "ConditionalRequestConflict") or status == 412:
+            return PreconditionFailedError(errno.ESTALE, f"{where}: {what} refused: {code}")
+        if code == "NoSuchBucket":
+            return StorageError(
+                errno.ENOENT, f"{where}: the bucket does not exist{at}; create it first"
+            )
+        if code in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "403"):
+            return StorageError(
+                errno.EACCES,
+                f"{where}: {what} refused ({code}){at}: check the credentials "
+                "(AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or storage_options) and permissions",
+            )
+        return StorageError(errno.EIO, f"{where}: {what} failed after retries: {code} ({status})")
+    if isinstance(e, NoCredentialsError):
+        return StorageError(errno.EACCES, f"{where}: no S3 credentials found: set AWS_* or options")
+    if isinstance(e, EndpointConnectionError) or "Connect" in type(e).__name__:
+        return StorageError(
+            errno.EHOSTUNREACH, f"{where}: cannot reach the S3 endpoint{at} ({type(e).__name__})"
+        )
+    if isinstance(e, (OSError, CheckpointCorruptError)):
+        return e
+    return StorageError(errno.EIO, f"{where}: {what} failed: {type(e).__name__}: {e}")
