@@ -4,17 +4,23 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: setup run test bench harness lint clean
+.PHONY: setup run run-s3 test bench harness lint dist clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[test]'
+	@# fuse3 (libfuse3 + fusermount3) for the power-loss tests; they skip where it is missing.
+	command -v fusermount3 >/dev/null || { [ "$$(id -u)" = 0 ] && { apt-get install -y -q fuse3 >/dev/null 2>&1 || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q fuse3 >/dev/null 2>&1; }; }; } || true
+	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[test,s3,app,bench]'
 	touch $(STAMP)
 
 setup: $(STAMP)
 
 run: setup
 	$(PY) -m apps.grpo.main --config configs/grpo.yaml
+
+# The same run with checkpoints in a local S3 server (SeaweedFS; data and log in runs/seaweed).
+run-s3: setup
+	$(PY) -m apps.seaweed run --dir runs/seaweed -- $(PY) -m apps.grpo.main --config configs/grpo.yaml checkpoint.folder=s3://forge-ckpt/grpo
 
 test: setup
 	$(PY) -m pytest -q $(PYTEST_ARGS)
@@ -23,7 +29,15 @@ bench: setup
 	$(PY) -m benchmarks.run --merge-gpu docs/benchmarks_gpu.json
 
 lint: setup
-	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
+	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check . && $(VENV)/bin/mypy
+
+# sdist + wheel into dist/, then twine check and scripts/check_dist.py (what the archives hold;
+# install the wheel into a fresh venv and run it from outside the checkout).
+dist: setup
+	rm -rf dist build
+	$(PY) -m build --outdir dist .
+	$(VENV)/bin/twine check --strict dist/*
+	$(PY) scripts/check_dist.py dist --constraints constraints.txt
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) runs .pytest_cache dist build
