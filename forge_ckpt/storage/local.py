@@ -45,7 +45,13 @@ def fsync_dir(path: str) -> None:
 
 
 class LocalWriter(Writer):
-    """A file opened for writing that checksums bytes as they pass and fsyncs on close."""
+    """A file opened for writing that checksums bytes as they pass and fsyncs on close.
+
+    Small writes (DCP's serializer writes in pieces of a few bytes) are coalesced into one
+    buffer, so the file gets few large writes whatever the caller's pattern."""
+
+    SMALL = 1 << 20
+    BUFFER = 4 << 20
 
     def __init__(self, full: str, path: str) -> None:
         self.full, self.path = full, path
@@ -53,21 +59,36 @@ class LocalWriter(Writer):
         self._fd = os.open(full, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         self._crc = 0
         self._size = 0
+        self._buf = bytearray()
 
     def write(self, data: Any) -> None:
         mv = memoryview(data).cast("B")
+        self._crc = crc_update(self._crc, mv)
+        self._size += len(mv)
+        if len(mv) < self.SMALL:
+            self._buf += mv
+            if len(self._buf) >= self.BUFFER:
+                self._flush()
+            return
+        self._flush()
+        self._write_all(mv)
+
+    def _flush(self) -> None:
+        if self._buf:
+            self._write_all(memoryview(self._buf))
+            self._buf = bytearray()
+
+    def _write_all(self, mv: memoryview) -> None:
         for start in range(0, len(mv), CHUNK):
-            chunk = mv[start : start + CHUNK]
-            self._crc = crc_update(self._crc, chunk)
             fault("write")
-            view = chunk
+            view = mv[start : start + CHUNK]
             while len(view):
                 n = os.write(self._fd, view)
                 view = view[n:]
-            self._size += len(chunk)
 
     def close(self) -> FileRecord:
         try:
+            self._flush()
             if not fault("fsync"):
                 os.fsync(self._fd)
         finally:
@@ -76,6 +97,7 @@ class LocalWriter(Writer):
         return FileRecord(self.path, self._size, f"{self._crc:08x}")
 
     def abort(self) -> None:
+        self._buf = bytearray()
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
