@@ -39,6 +39,7 @@ __all__ = [
     "TrainerCheckpointer",
     "TrainerMixin",
     "committed_steps",
+    "pending_steps",
     "spawn_trainer_ranks",
 ]
 
@@ -59,3 +60,13 @@ def __getattr__(name: str):
 
         return getattr(trainer, name)
     raise AttributeError(name)
+
+
+def pending_steps(folder: str, storage_options: dict[str, Any] | None = None) -> list[int]:
+    """Step folders without a commit marker: a save in flight, or a crashed save's leftover
+    (removed when the next job opens the folder). Never loaded."""
+    from . import layout
+    from .storage import open_storage
+
+    store = open_storage(folder, storage_options)
+    return sorted(set(layout.all_steps(store)) - set(layout.marked_steps(store)))

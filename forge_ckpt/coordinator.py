@@ -120,17 +120,16 @@ class CheckpointCoordinator:
         await self.wait()
         self._check_open()
         where = self.config.storage.child(layout.step_name(step))
-        if await asyncio.to_thread(self._skip_or_branch, step):
-            return SaveResult(step, where.url, committed=True)
         background = self.config.async_mode == "async"
         start = time.perf_counter()
         try:
+            if await asyncio.to_thread(self._skip_or_branch, step):
+                return SaveResult(step, where.url, committed=True)
             await asyncio.to_thread(commit.prepare_step, self.store, step)
         except OSError as e:
             await self._discard(step)
-            raise save_error(
-                self._newest(), step, [f"creating the step folder: {describe(e)}"]
-            ) from e
+            lines = [f"preparing the step: {describe(e)}"]
+            raise save_error(self._newest(), step, lines) from e
         units = self._units()
         try:
             nbytes = await self._all(units, lambda u: u.begin(where, background), step, "snapshot")
@@ -254,9 +253,9 @@ class CheckpointCoordinator:
             await asyncio.to_thread(commit.remove_step, self.store, step)
         except OSError as e:
             log.warning(
-                "could not remove aborted step %d (%s); it is not committed and will be "
+                "could not remove aborted step %s (%s); it is not committed and will be "
                 "removed at the next start",
-                step,
+                self.store.where(layout.step_name(step)),
                 e,
             )
 
@@ -273,11 +272,12 @@ class CheckpointCoordinator:
         """Committed steps, ascending (the last one is the newest)."""
         return layout.committed_steps(self.store)
 
-    def _newest(self) -> int | None:
+    def _newest(self) -> int | None | OSError:
+        """The newest committed step for error messages (the error if it cannot be listed)."""
         try:
             return (self.steps() or [None])[-1]
-        except OSError:
-            return None
+        except OSError as e:
+            return e
 
     async def load(
         self, step: int | None = None, exclude: Iterable[str] = (), allow_mismatch: bool = False
@@ -405,6 +405,16 @@ class CheckpointCoordinator:
         with self._commit_lock:
             self._closed = True
             self._lease.release()
+
+    def wipe(self) -> None:
+        """Delete every step of the folder (each marker first) and the quarantined ones, then
+        close: a run that starts over (`fresh`) under the same lease nobody else can hold."""
+        try:
+            for step in layout.all_steps(self.store):
+                commit.remove_step(self.store, step)
+            self.store.delete_prefix(layout.QUARANTINE)
+        finally:
+            self.close()
 
     async def aclose(self) -> None:
         """Flush a background save (its error is raised), then release the lease."""

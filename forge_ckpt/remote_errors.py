@@ -38,12 +38,13 @@ def full_text(e: BaseException) -> str:
     return "".join(traceback.format_exception(e)).rstrip()
 
 
-def save_error(newest: int | None, step: int, lines: list[str]) -> CheckpointSaveError:
-    prev = (
-        f"step {newest} is still the newest committed step"
-        if newest is not None
-        else "there is no committed step yet"
-    )
+def save_error(newest: int | None | OSError, step: int, lines: list[str]) -> CheckpointSaveError:
+    if isinstance(newest, OSError):
+        prev = "the committed steps could not be listed now, and none of them was touched"
+    elif newest is None:
+        prev = "there is no committed step yet"
+    else:
+        prev = f"step {newest} is still the newest committed step"
     return CheckpointSaveError(
         f"save of step {step} aborted, nothing was committed ({prev}):\n  "
         + "\n  ".join(lines)
@@ -52,7 +53,7 @@ def save_error(newest: int | None, step: int, lines: list[str]) -> CheckpointSav
 
 
 def failure_error(
-    newest: int | None, step: int, phase: str, failures: list[tuple[str, BaseException]]
+    newest: int | None | OSError, step: int, phase: str, failures: list[tuple[str, BaseException]]
 ) -> Exception:
     details = {label: full_text(e) for label, e in failures}
     for label, text in details.items():

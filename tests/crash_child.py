@@ -18,8 +18,9 @@ import ray
 sys.path.insert(0, os.path.dirname(__file__))
 from crash_actors import Sampler, make_trainer_ranks  # noqa: E402
 
-from forge_ckpt import CheckpointConfig, CheckpointCoordinator, commit  # noqa: E402
+from forge_ckpt import CheckpointConfig, CheckpointCoordinator  # noqa: E402
 from forge_ckpt import components as comp_mod  # noqa: E402
+from forge_ckpt.storage.local import LocalStorage  # noqa: E402
 
 
 def die() -> None:
@@ -29,7 +30,7 @@ def die() -> None:
 
 def install(phase: str) -> None:
     real_begin, real_status = comp_mod.RemoteUnit.begin, comp_mod.RemoteUnit.status
-    real_atomic, real_rmtree = commit.atomic_write, commit.shutil.rmtree
+    real_create, real_delete_prefix = LocalStorage.create, LocalStorage.delete_prefix
     seen_files: list[str] = []
 
     async def begin(self, step_dir, background):
@@ -49,21 +50,21 @@ def install(phase: str) -> None:
                 die()
         return recs
 
-    def atomic_write(path, data):
+    def create(self, path, data):
         if phase == "before_marker" and path.endswith("COMMIT"):
             die()
-        crc = real_atomic(path, data)
+        tag = real_create(self, path, data)
         if phase == "after_marker" and path.endswith("COMMIT"):
             die()
-        return crc
+        return tag
 
-    def rmtree(path, *a, **k):  # retention: the marker of the old step is already gone
-        if phase == "during_retention" and os.path.basename(path) == "step-1":
+    def delete_prefix(self, prefix):  # retention: the marker of the old step is already gone
+        if phase == "during_retention" and prefix == "step-1":
             die()
-        return real_rmtree(path, *a, **k)
+        return real_delete_prefix(self, prefix)
 
     comp_mod.RemoteUnit.begin, comp_mod.RemoteUnit.status = begin, status
-    commit.atomic_write, commit.shutil.rmtree = atomic_write, rmtree
+    LocalStorage.create, LocalStorage.delete_prefix = create, delete_prefix
 
 
 async def main(folder: str, phase: str, ranks: int) -> None:

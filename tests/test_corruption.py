@@ -74,7 +74,6 @@ def test_damage_is_detected_and_named(pristine, tmp_path, name, how, caplog):
     src, fresh = pristine
     folder = str(tmp_path / "ckpt")
     shutil.copytree(src, folder)
-    os.unlink(os.path.join(folder, layout.LOCK))
     step2 = layout.step_dir(folder, 2)
     damage(os.path.join(step2, name), how)
     before = asyncio.run(_snapshot(fresh))
@@ -102,6 +101,8 @@ def test_damage_is_detected_and_named(pristine, tmp_path, name, how, caplog):
     assert loaded.step == 1
     assert "step 2 is corrupt" in caplog.text and "falling back to step 1" in caplog.text
     assert len(asyncio.run(_snapshot(fresh))["history"]) == 1
+    # The damaged step was moved aside: step 2 can be committed again by the resumed run.
+    assert not os.path.exists(step2) and layout.quarantined(folder)[0].startswith("step-2.")
 
 
 async def _snapshot(fresh):

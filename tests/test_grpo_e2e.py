@@ -16,7 +16,7 @@ import signal
 import pytest
 
 from apps.grpo import chaos
-from forge_ckpt import layout
+from forge_ckpt import committed_steps, layout
 
 CONFIG = os.path.join(os.path.dirname(__file__), "..", "configs", "grpo_test.yaml")
 SLOW = {"FORGE_CKPT_FAULT": "fsync:sleep=0.05"}
@@ -74,6 +74,30 @@ def test_killed_job_resumes_bitwise(references, tmp_path, variant):
     assert read(os.path.join(run_dir, chaos.METRICS)) == read(os.path.join(ref, chaos.METRICS))
     assert read(os.path.join(run_dir, chaos.WEIGHTS)) == read(os.path.join(ref, chaos.WEIGHTS))
     check_every_prompt_once_per_epoch(os.path.join(run_dir, chaos.METRICS))
+
+
+def test_killed_job_on_s3_resumes_bitwise(references, tmp_path, s3_folder, monkeypatch):
+    """The same kills with the checkpoints in a bucket on a real S3 server (SeaweedFS): the
+    commit is a conditional create there, and nothing is renamed or stat'ed."""
+    ref = references("base")
+    env = s3_folder.server.env()
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)  # this process lists the bucket; the job gets the same env
+    overrides = [f"checkpoint.folder={s3_folder.url}"]
+    run_dir = str(tmp_path / "run")
+    previous = None
+    for n, moment in enumerate(["during_save", "between_saves"]):
+        job = chaos.Job(CONFIG, run_dir, overrides, {**SLOW, **env}, str(tmp_path / f"s{n}.log"))
+        if previous is not None:
+            check_resumed(job, previous)
+        previous = chaos.kill_at(job, run_dir, moment, folder=s3_folder.url)
+        assert previous is not None, f"job ended before the {moment} kill"
+    job = run_to_end(run_dir, overrides, env, str(tmp_path / "last.log"))
+    check_resumed(job, previous)
+    assert committed_steps(s3_folder.url)[-1] == 12
+    assert not os.path.exists(os.path.join(run_dir, chaos.CHECKPOINTS))  # nothing went local
+    assert read(os.path.join(run_dir, chaos.METRICS)) == read(os.path.join(ref, chaos.METRICS))
+    assert read(os.path.join(run_dir, chaos.WEIGHTS)) == read(os.path.join(ref, chaos.WEIGHTS))
 
 
 def check_resumed(job: chaos.Job, kill: chaos.Kill) -> None:

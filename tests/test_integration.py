@@ -45,12 +45,13 @@ async def gather(handles, method, *args):
 
 
 class Job:
-    def __init__(self, rank_cls, folder: str, seed: int):
+    def __init__(self, rank_cls, folder: str, seed: int, options: dict | None = None):
         self.ranks = spawn_trainer_ranks(rank_cls, WORLD)
         ray.get([r.setup.remote(seed) for r in self.ranks])
         self.actors = [Sampler.remote(seed), Sampler.remote(seed + 1), Sampler.remote(seed + 2)]
         self.stats = Stats.remote()
-        self.coord = CheckpointCoordinator(CheckpointConfig(folder=folder, keep_last=2))
+        cfg = CheckpointConfig(folder=folder, keep_last=2, storage_options=options or {})
+        self.coord = CheckpointCoordinator(cfg)
         self.coord.set_trainer(self.ranks)
         self.coord.register("dataset", self.actors[0])
         self.coord.register("replay_buffer", self.actors[1:])
@@ -82,9 +83,18 @@ def rank_cls(ray_local):
     return ray_local.remote(num_cpus=0)(_trainer_model.TrainerRank)
 
 
-async def test_two_rank_trainer_and_actors_resume_bitwise(rank_cls, tmp_path):
-    folder = str(tmp_path / "ckpt")
-    job = Job(rank_cls, folder, seed=0)
+@pytest.fixture(params=["local", "s3"])
+def where(request, tmp_path):
+    """A local folder, or a folder on the test's real S3 server (SeaweedFS)."""
+    if request.param == "local":
+        return str(tmp_path / "ckpt"), {}
+    s3 = request.getfixturevalue("s3_folder")
+    return s3.url, s3.options
+
+
+async def test_two_rank_trainer_and_actors_resume_bitwise(rank_cls, where):
+    folder, options = where
+    job = Job(rank_cls, folder, seed=0, options=options)
     expected = []  # what the uninterrupted run does after step 4
     for step in range(1, 7):
         outcome = await job.step()
@@ -100,7 +110,7 @@ async def test_two_rank_trainer_and_actors_resume_bitwise(rank_cls, tmp_path):
     assert job.coord.steps() == [4, 6]
     job.kill()
 
-    fresh = Job(rank_cls, folder, seed=11)  # other weights, other seeds: all must be restored
+    fresh = Job(rank_cls, folder, seed=11, options=options)  # all of it must be restored
     loaded = await fresh.coord.load(step=4)
     assert loaded.step == 4 and loaded.extra == {"step": 4}
     got = await fresh.state()
@@ -110,3 +120,29 @@ async def test_two_rank_trainer_and_actors_resume_bitwise(rank_cls, tmp_path):
     assert equal(resumed, expected)  # losses of both ranks and every actor draw
     assert equal(await gather(fresh.ranks, "probe"), expected_probe)
     fresh.kill()
+    if folder.startswith("s3://"):
+        stock_dcp_reads_the_s3_step(f"{folder}/step-4", options, saved["trainer"][0])
+
+
+def stock_dcp_reads_the_s3_step(url: str, options: dict, summary: dict) -> None:
+    """DCP's own fsspec reader (s3fs underneath) loads our S3 step: the files are standard."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader  # stock DCP
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    fs_opts = {
+        "key": options["aws_access_key_id"],
+        "secret": options["aws_secret_access_key"],
+        "client_kwargs": {"endpoint_url": options["endpoint_url"], "region_name": "us-east-1"},
+    }
+    reader = FsspecReader(url, **fs_opts)
+    meta = reader.read_metadata()
+    names = list(summary["full_params"])
+    sd = {}
+    for n in names:
+        md = meta.state_dict_metadata[n]
+        assert isinstance(md, TensorStorageMetadata)
+        sd[n] = torch.empty(md.size, dtype=md.properties.dtype)
+    dcp.load(sd, storage_reader=FsspecReader(url, **fs_opts), no_dist=True)
+    for n in names:
+        assert equal(sd[n], summary["full_params"][n]), n

@@ -244,7 +244,7 @@ async def test_full_disk_actor_then_trainer(actors, disk):
 
     # The trainer's DCP shard does not fit: a ballast leaves half of what the trainer wrote at
     # step 1, far more than the actor's one small file needs.
-    manifest = layout.read_committed(layout.step_dir(folder, 1))
+    manifest = layout.read_committed(folder, 1)
     trainer_bytes = sum(f.size for f in manifest.components[layout.TRAINER].files)
     assert trainer_bytes > 16 * SMALL, trainer_bytes
     ballast = fill(mnt, leave=trainer_bytes // 2 // 4096 * 4096)
@@ -252,9 +252,10 @@ async def test_full_disk_actor_then_trainer(actors, disk):
     with pytest.raises(CheckpointSaveError) as e:
         await coord.save(2)
     failed = failures(e.value, 2, 1)
-    # DCP's own write fails (DCP wraps it in its CheckpointException); the actor's file usually
-    # fits, but if the trainer took the space first the actor is named with the same cause.
-    assert failed["trainer rank 0"].startswith("CheckpointException: "), failed
+    # DCP's write through our storage writer fails (the rank unwraps DCP's
+    # CheckpointException); the actor's file usually fits, but if the trainer took the space
+    # first the actor is named with the same cause.
+    assert failed["trainer rank 0"].startswith("OSError: "), failed
     assert NOSPC in failed["trainer rank 0"], failed
     assert all(NOSPC in cause for cause in failed.values()), failed
     assert layout.all_steps(folder) == [1]
@@ -273,15 +274,11 @@ async def test_full_disk_actor_then_trainer(actors, disk):
 
 
 def lock_elsewhere(disk: Disk, folder: str) -> None:
-    """Put the folder's lock file on another file system (a symlink).
-
-    `mount -o remount,ro` refuses (busy) while any file on the file system is open for writing,
-    and the coordinator keeps its lock file open read-write as long as it lives. A file system
-    that the kernel turns read-only after an I/O error does not wait for that; to turn the
-    tmpfs read-only under a live coordinator, its lock lives on the test's temporary disk.
-    """
+    """Create the folder. (`mount -o remount,ro` refuses while a file on the file system is
+    open for writing; the lease is a file written and closed at each renewal, so nothing of
+    the coordinator stays open and the tmpfs can be turned read-only under it.)"""
+    del disk
     os.makedirs(folder)
-    os.symlink(disk.tmp_path / "lockfile", os.path.join(folder, layout.LOCK))
 
 
 async def test_read_only_folder(actors, disk):
@@ -388,8 +385,9 @@ def leftover_on_read_only_folder(disk: Disk) -> str:
 
 
 def test_start_with_unremovable_leftover_names_it(disk, caplog):
-    """The leftover has no marker, so it is no step: the job starts, and the warning names the
-    leftover step folder and the cause."""
+    """The leftover has no marker, so it is no step; on a read-only folder the job cannot take
+    the folder's lease (a file it must write), so the start fails naming the folder and the
+    cause (or, where the lease could be written, the warning names the leftover)."""
     folder = leftover_on_read_only_folder(disk)
     with caplog.at_level(logging.WARNING, logger="forge_ckpt"):
         try:
@@ -398,7 +396,7 @@ def test_start_with_unremovable_leftover_names_it(disk, caplog):
             told = str(e)
         else:
             told = caplog.text
-    assert layout.step_dir(folder, 5) in told and "Read-only file system" in told, told
+    assert folder in told and "Read-only file system" in told, told
 
 
 def test_failed_start_releases_the_folder_lock(tmp_path, monkeypatch):
@@ -441,9 +439,8 @@ async def test_failing_fsync_in_actor_and_trainer_processes(actors, disk, tmp_pa
         await change(bad_big, bad_trainer, tag=2)
         with pytest.raises(CheckpointSaveError) as e:
             await coord.save(2)
-        # Plain OSErrors for both: in the trainer rank it is not DCP that fails (DCP fsyncs its
-        # files with os.fsync itself), but forge_ckpt's rank file, whose ChecksummedWriter
-        # fsyncs through storage.py (before the step folder's fsync_dir would).
+        # Plain OSErrors for both: the trainer's DCP shards go through forge_ckpt's storage
+        # writer, whose fsync fails first (the rank unwraps DCP's CheckpointException).
         assert failures(e.value, 2, 1) == {
             "actor 'big' replica 0": f"OSError: {EIO_INJECTED}",
             "trainer rank 0": f"OSError: {EIO_INJECTED}",
@@ -452,12 +449,13 @@ async def test_failing_fsync_in_actor_and_trainer_processes(actors, disk, tmp_pa
         # Reading is not affected: the faulty processes load step 1.
         await assert_previous_intact(coord, 2, 1, want1, bad_big, bad_trainer)
 
-        # What the faulty rank leaves when saving on its own: DCP's files, no rank file.
+        # What the faulty rank leaves when saving on its own: nothing (the shard whose fsync
+        # failed is removed by its writer; DCP never reaches `.metadata`; no rank file).
         scratch = str(tmp_path / "scratch")
         os.makedirs(os.path.join(scratch, layout.TRAINER))
         with pytest.raises(ray.exceptions.RayTaskError, match="Input/output error"):
             await bad_trainer[0].forge_begin_save.remote(scratch, "", False)
-        assert {".metadata", "__0_0.distcp"} <= set(os.listdir(scratch))
+        assert set(os.listdir(scratch)) == {layout.TRAINER}
         assert os.listdir(os.path.join(scratch, layout.TRAINER)) == []
 
         coord.register("big", big, replace=True)  # a healthy replacement: only the trainer fails

@@ -31,7 +31,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 
-from forge_ckpt import layout
+from forge_ckpt import committed_steps, pending_steps
 
 METRICS, WEIGHTS, CHECKPOINTS = "metrics.jsonl", "final_weights.safetensors", "checkpoints"
 RESUMED = re.compile(r"GRPO: (resumed at step (\d+)|fresh start)")
@@ -83,7 +83,7 @@ def metrics_lines(run_dir: str) -> int:
 
 def saving(folder: str) -> bool:
     """A save is in flight: a step folder exists that has no marker yet."""
-    return bool(set(layout.all_steps(folder)) - set(layout.marked_steps(folder)))
+    return bool(pending_steps(folder))
 
 
 def wait_until(job: Job, predicate, timeout: float, poll: float = 0.002) -> bool:
@@ -149,19 +149,23 @@ def kill_once(job: Job, run_dir: str, rng: random.Random, trial: int) -> Kill | 
 
 
 def kill_at(
-    job: Job, run_dir: str, moment: str, rng: random.Random | None = None, trial: int = 0
+    job: Job,
+    run_dir: str,
+    moment: str,
+    rng: random.Random | None = None,
+    trial: int = 0,
+    folder: str | None = None,
 ) -> Kill | None:
     """SIGKILL the job at `moment`: "during_save" (a step folder without marker exists),
     "after_commit" (a new marker just appeared), "between_saves" (a step finished that is not
-    being saved), or "random" (0-3 s from now). None if the job ended first."""
-    folder = os.path.join(run_dir, CHECKPOINTS)
+    being saved), or "random" (0-3 s from now). None if the job ended first. `folder` is
+    the checkpoint folder when the run sets `checkpoint.folder` (e.g. s3://...)."""
+    folder = folder or os.path.join(run_dir, CHECKPOINTS)
     if moment == "during_save":
         hit = wait_until(job, lambda: saving(folder), timeout=300, poll=0.001)
     elif moment == "after_commit":
-        newest = max(layout.marked_steps(folder), default=0)
-        hit = wait_until(
-            job, lambda: max(layout.marked_steps(folder), default=0) > newest, 300, 0.001
-        )
+        newest = max(committed_steps(folder), default=0)
+        hit = wait_until(job, lambda: max(committed_steps(folder), default=0) > newest, 300, 0.001)
     elif moment == "between_saves":
         lines = metrics_lines(run_dir)
         hit = wait_until(
@@ -169,7 +173,7 @@ def kill_at(
             lambda: (
                 metrics_lines(run_dir) > lines
                 and not saving(folder)
-                and metrics_lines(run_dir) not in layout.marked_steps(folder)
+                and metrics_lines(run_dir) not in committed_steps(folder)
             ),
             timeout=300,
             poll=0.001,
@@ -181,7 +185,7 @@ def kill_at(
         return None
     during = saving(folder)
     job.kill()
-    return Kill(trial, moment, metrics_lines(run_dir), layout.committed_steps(folder), during)
+    return Kill(trial, moment, metrics_lines(run_dir), committed_steps(folder), during)
 
 
 def run_chaos(args: argparse.Namespace, overrides: list[str], env: dict) -> Report:

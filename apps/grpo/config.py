@@ -34,6 +34,7 @@ RESUMABLE_KEYS = frozenset(
         "progress",
         "ray.num_cpus",
         "ray.address",
+        "checkpoint.folder",
         "checkpoint.interval",
         "checkpoint.keep_last",
         "checkpoint.async_mode",

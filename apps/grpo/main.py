@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import shutil
 import signal
 import sys
 import time
@@ -189,14 +188,18 @@ async def train_step(job: Job, rollouts: Rollouts, cfg: dict[str, Any], step: in
     }
 
 
+def checkpoint_folder(cfg: dict[str, Any]) -> str:
+    """`checkpoint.folder` (a local path or s3://bucket/prefix), else `<run_dir>/checkpoints`."""
+    return cfg["checkpoint"].get("folder") or os.path.join(cfg["run_dir"], CHECKPOINTS)
+
+
 def prepare_run_dir(cfg: dict[str, Any]) -> None:
     run_dir = cfg["run_dir"]
     if cfg.get("fresh"):
-        folder = os.path.join(run_dir, CHECKPOINTS)
-        if os.path.isdir(folder):
-            # Taking the folder's lock first: a live run that uses it is not wiped under it.
-            CheckpointCoordinator(CheckpointConfig(folder=folder)).close()
-            shutil.rmtree(folder)
+        folder = checkpoint_folder(cfg)
+        if folder.startswith("s3://") or os.path.isdir(folder):
+            # Taking the folder's lease first: a live run that uses it is not wiped under it.
+            CheckpointCoordinator(CheckpointConfig(folder=folder)).wipe()
         for name in (METRICS, FINAL_WEIGHTS):
             if os.path.exists(os.path.join(run_dir, name)):
                 os.remove(os.path.join(run_dir, name))
@@ -208,7 +211,7 @@ def make_coordinator(cfg: dict[str, Any]) -> CheckpointCoordinator:
     ckpt = cfg["checkpoint"]
     return CheckpointCoordinator(
         CheckpointConfig(
-            folder=os.path.join(cfg["run_dir"], CHECKPOINTS),
+            folder=checkpoint_folder(cfg),
             keep_last=ckpt["keep_last"],
             async_mode=ckpt["async_mode"],
             fingerprint=fingerprint(cfg),
@@ -234,7 +237,7 @@ async def run(cfg: dict[str, Any]) -> int:
         progress = Progress(start, int(cfg["steps"]), resumed=loaded is not None, ready_s=ready)
         with progress:
             step = await train_loop(job, coord, log, progress, cfg, start, stop)
-        await coord.wait()
+        await coord.aclose()  # flushes a background save and releases the folder's lease
         if stop.is_set() and step < int(cfg["steps"]):
             done = f"committed step {step}" if step > start else "no step ran, nothing saved"
             print(f"SIGTERM: {done}; run the same command again to continue")
@@ -254,10 +257,9 @@ def on_sigterm(stop: asyncio.Event, grace_s: float, cfg: dict[str, Any]) -> None
     stop.set()
 
     def overdue() -> None:
-        from forge_ckpt import layout
+        from forge_ckpt import committed_steps
 
-        folder = os.path.join(cfg["run_dir"], CHECKPOINTS)
-        newest = (layout.committed_steps(folder) or [None])[-1]
+        newest = (committed_steps(checkpoint_folder(cfg)) or [None])[-1]
         print(
             f"SIGTERM: no commit within the grace period of {grace_s:.0f}s; exiting. "
             f"The newest committed step is {newest}: the next start resumes from it.",

@@ -191,7 +191,7 @@ class S3Storage(Storage):
             return None
         return int(r["ContentLength"])
 
-    def _pages(self, prefix: str, delimiter: str | None) -> Any:
+    def _pages(self, prefix: str, delimiter: str | None = None) -> Any:
         kw = {"Bucket": self.bucket, "Prefix": self.key(prefix) + "/" if self.key(prefix) else ""}
         if delimiter:
             kw["Delimiter"] = delimiter
@@ -201,19 +201,18 @@ class S3Storage(Storage):
             raise _translate(e, "list", self.where(prefix), self.opts.get("endpoint_url")) from None
 
     def list(self, prefix: str = "") -> list[str]:
-        names = set()
-        for page in self._pages(prefix, "/"):
-            for cp in page.get("CommonPrefixes", []):
-                names.add(cp["Prefix"].rstrip("/").rsplit("/", 1)[-1])
-            for obj in page.get("Contents", []):
-                names.add(obj["Key"].rsplit("/", 1)[-1])
-        return sorted(names)
+        # Derived from the objects themselves, not from common prefixes: some S3-compatible
+        # stores (SeaweedFS) keep listing a "folder" for a while after its last object went.
+        return sorted({p.split("/", 1)[0] for p, _ in self.walk(prefix, relative_to=prefix)})
 
-    def walk(self, prefix: str = "") -> list[tuple[str, int]]:
-        cut = len(self.prefix) + 1 if self.prefix else 0
+    def walk(self, prefix: str = "", relative_to: str = "") -> list[tuple[str, int]]:
+        base = self.key(relative_to)
+        cut = len(base) + 1 if base else 0
         out = []
         for page in self._pages(prefix, None):
-            out += [(o["Key"][cut:], int(o["Size"])) for o in page.get("Contents", [])]
+            for o in page.get("Contents", []):
+                if not o["Key"].endswith("/"):  # folder markers some stores list
+                    out.append((o["Key"][cut:], int(o["Size"])))
         return sorted(out)
 
     # ---- deleting and moving ---------------------------------------------------------------
