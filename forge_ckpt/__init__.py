@@ -17,6 +17,7 @@ from .errors import (  # noqa: E402
     CheckpointLockedError,
     CheckpointMismatchError,
     CheckpointSaveError,
+    CheckpointSignatureError,
     InvalidNameError,
     NotSerializableError,
 )
@@ -30,6 +31,7 @@ __all__ = [
     "CheckpointLockedError",
     "CheckpointMismatchError",
     "CheckpointSaveError",
+    "CheckpointSignatureError",
     "Checkpointable",
     "InvalidNameError",
     "LoadResult",

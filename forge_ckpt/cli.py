@@ -21,8 +21,9 @@ from rich.table import Table
 from rich.tree import Tree
 
 from . import commit, layout
-from .errors import CheckpointCorruptError, CheckpointError
+from .errors import CheckpointCorruptError, CheckpointError, CheckpointSignatureError
 from .lock import Lease
+from .signing import Signer
 from .storage import Storage, open_storage
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__.split("\n\n")[0])
@@ -71,9 +72,11 @@ def list_steps(folder: str) -> None:
 
 
 def _committed_or_exit(store: Storage, step: int) -> layout.Manifest:
+    """The step's manifest; with FORGE_CKPT_SIGNING_KEY / FORGE_CKPT_VERIFY_KEYS set, its
+    signature is checked too."""
     try:
-        return layout.read_committed(store, step)
-    except CheckpointCorruptError as e:
+        return layout.read_committed(store, step, Signer.from_config())
+    except (CheckpointCorruptError, CheckpointSignatureError) as e:
         console.print(f"[red]FAIL[/] {escape(str(e))}")
         raise typer.Exit(1) from None
 
@@ -88,6 +91,7 @@ def verify(step_folder: str) -> None:
     for rec in manifest.files:
         try:
             sub.verify(rec.path, rec)
+            _open_safely(sub, rec)
             console.print(f"[green]ok[/]   {rec.path} ({_mb(rec.size)}, crc32c {rec.crc32c})")
         except CheckpointCorruptError as e:
             bad += 1
@@ -96,6 +100,19 @@ def verify(step_folder: str) -> None:
     console.print(summary if not bad else f"[red]{summary}")
     if bad:
         raise typer.Exit(1)
+
+
+def _open_safely(store: Storage, rec: Any) -> None:
+    """A checksum proves nothing against someone who rewrote the manifest too: decode what a
+    load would decode (DCP metadata through the allowlist, actor file headers), never running
+    anything, so a planted pickle is reported here instead of at load."""
+    from . import serialization
+    from .dcp_metadata import load_metadata
+
+    if rec.path == ".metadata":
+        load_metadata(store.read(rec.path), store.where(rec.path))
+    elif rec.path.endswith(".msgpack"):
+        serialization.describe_from(store, rec.path)
 
 
 @app.command()

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from . import layout
 from .errors import CheckpointSaveError
+from .signing import Signer
 from .storage import AlreadyExistsError, Storage, crc32c_of_bytes
 
 log = logging.getLogger("forge_ckpt")
@@ -44,7 +45,10 @@ def prepare_step(store: Storage, step: int) -> None:
 
 
 def commit_step(
-    store: Storage, manifest: layout.Manifest, fence: Callable[[], None] | None = None
+    store: Storage,
+    manifest: layout.Manifest,
+    fence: Callable[[], None] | None = None,
+    signer: Signer | None = None,
 ) -> None:
     """Make a fully written step visible. Every component's files must already be durable.
 
@@ -59,7 +63,10 @@ def commit_step(
         store.create(f"{name}/{layout.MANIFEST}", data)
         if fence is not None:
             fence()
-        marker = layout.marker_bytes(manifest.step, crc32c_of_bytes(data), manifest.generation)
+        signature = signer.sign(data) if signer is not None else None
+        marker = layout.marker_bytes(
+            manifest.step, crc32c_of_bytes(data), manifest.generation, signature
+        )
         store.create(f"{name}/{layout.MARKER}", marker)
     except AlreadyExistsError as e:
         raise CheckpointSaveError(

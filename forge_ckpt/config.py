@@ -9,6 +9,7 @@ from typing import Any, Literal
 import yaml
 
 from .commit import RetentionPolicy
+from .signing import Signer
 from .storage import StorageSpec, normalize_url
 
 
@@ -30,6 +31,13 @@ class CheckpointConfig:
         holds an in-memory snapshot and persists in the background.
     save_timeout_s / load_timeout_s: a component that takes longer is treated as failed.
     abort_timeout_s: after a failed save, how long each unit may take to stop its write.
+    digest: a cryptographic digest of every file in the manifest, computed while writing and
+        checked while reading ("blake3" or "sha256"; default: none unless signing is on, then
+        "blake3"). CRC32C is always recorded.
+    signing_key / verify_keys: sign each step's manifest with HMAC-SHA256 (the signature goes
+        into COMMIT); accept steps signed by any of these keys (rotation). Default: the
+        environment's FORGE_CKPT_SIGNING_KEY / FORGE_CKPT_VERIFY_KEYS. Never written anywhere.
+    allow_unsigned: with a key configured, still load steps that were saved unsigned.
     verify_on_load: check every file's crc32c before anything is loaded (DCP's `.metadata` is
         a pickle: never open one that does not match the manifest).
     fallback: on a corrupt newest step, load the newest intact committed one instead.
@@ -49,6 +57,10 @@ class CheckpointConfig:
     storage_options: dict[str, Any] = field(default_factory=dict, repr=False)
     lease_ttl_s: float = 60.0
     abort_timeout_s: float = 60.0
+    digest: Literal["blake3", "sha256"] | None = None
+    signing_key: str | bytes | None = field(default=None, repr=False)
+    verify_keys: list[str | bytes] = field(default_factory=list, repr=False)
+    allow_unsigned: bool = False
 
     def __post_init__(self) -> None:
         self.folder = normalize_url(str(self.folder))
@@ -65,8 +77,17 @@ class CheckpointConfig:
             raise ValueError("timeouts must be positive")
 
     @property
+    def signer(self) -> Signer:
+        return Signer.from_config(self.signing_key, self.verify_keys, self.allow_unsigned)
+
+    @property
     def storage(self) -> StorageSpec:
-        return StorageSpec(self.folder, dict(self.storage_options))
+        """What actors and ranks open: the folder, its options and the digest they compute."""
+        digest = self.digest or ("blake3" if self.signer.signing_key is not None else None)
+        options = dict(self.storage_options)
+        if digest is not None:
+            options["digest"] = digest
+        return StorageSpec(self.folder, options)
 
     @property
     def retention(self) -> RetentionPolicy:

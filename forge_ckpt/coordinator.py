@@ -67,6 +67,7 @@ class CheckpointCoordinator:
     def __init__(self, config: CheckpointConfig) -> None:
         self.config = config
         self.store = open_storage(config.storage)
+        self._signer = config.signer
         self._lease = Lease(self.store, config.lease_ttl_s)
         try:
             self.store.makedirs("")
@@ -187,7 +188,7 @@ class CheckpointCoordinator:
     def _commit(self, manifest: layout.Manifest) -> None:
         with self._commit_lock:
             self._check_open()
-            commit.commit_step(self.store, manifest, fence=self._lease.renew)
+            commit.commit_step(self.store, manifest, self._lease.renew, self._signer)
 
     async def _persisted(
         self, units: list[Unit], result: SaveResult, start: float
@@ -317,7 +318,7 @@ class CheckpointCoordinator:
 
     async def _load_step(self, step: int, exclude: set[str], allow_mismatch: bool) -> LoadResult:
         where = self.config.storage.child(layout.step_name(step))
-        manifest = await asyncio.to_thread(layout.read_committed, self.store, step)
+        manifest = await asyncio.to_thread(layout.read_committed, self.store, step, self._signer)
         self._check_matches(manifest, exclude, allow_mismatch)
         plan: LoadPlan = []
         for name, group in self._groups.items():

@@ -15,6 +15,7 @@ on S3), verified against their records unless this rank verified them already.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
 import threading
@@ -101,7 +102,7 @@ class SeamFileSystem(FileSystemBase):
             self.store.delete(src)
         with self._lock:
             rec = self.records.pop(src)
-            self.records[dst] = FileRecord(dst, rec.size, rec.crc32c)
+            self.records[dst] = dataclasses.replace(rec, path=dst)
 
     def init_path(self, path: str | os.PathLike) -> str:
         return str(path)

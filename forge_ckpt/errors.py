@@ -45,6 +45,13 @@ class CheckpointMismatchError(CheckpointError):
         return (type(self), (self.differences, self.hint))
 
 
+class CheckpointSignatureError(CheckpointError):
+    """A step's signature is missing, wrong, or cannot be checked with the configured keys.
+
+    Not a `CheckpointCorruptError` on purpose: `fallback` never moves a step aside because
+    this job holds the wrong key."""
+
+
 class CheckpointSaveError(CheckpointError):
     """A save was aborted; nothing was committed and the previous step is still the newest."""
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import CheckpointCorruptError, InvalidNameError
+from .signing import Signer
 from .storage import FileRecord, Storage, crc32c_of_bytes, join, open_storage
 
 FORMAT_VERSION = 2  # 2: lease generation in manifest and marker (1 is still read)
@@ -174,24 +175,33 @@ class Manifest:
             raise CheckpointCorruptError(path, f"manifest is not valid: {e}") from None
 
 
-def marker_bytes(step: int, manifest_crc: str, generation: int = 0) -> bytes:
-    return json.dumps(
-        {"step": step, "manifest_crc32c": manifest_crc, "generation": generation}
-    ).encode()
+def marker_bytes(
+    step: int, manifest_crc: str, generation: int = 0, signature: str | None = None
+) -> bytes:
+    marker: dict[str, Any] = {
+        "step": step,
+        "manifest_crc32c": manifest_crc,
+        "generation": generation,
+    }
+    if signature is not None:
+        marker["signature"] = signature  # HMAC of the manifest (see signing.py)
+    return json.dumps(marker).encode()
 
 
 def as_storage(folder: str | Storage) -> Storage:
     return folder if isinstance(folder, Storage) else open_storage(folder)
 
 
-def read_committed(folder: str | Storage, step: int) -> Manifest:
-    """The manifest of a committed step; CheckpointCorruptError if it is not one."""
+def read_committed(folder: str | Storage, step: int, signer: Signer | None = None) -> Manifest:
+    """The manifest of a committed step; CheckpointCorruptError if it is not one (or, with a
+    signer that has keys, if its signature does not check out)."""
     store = as_storage(folder)
     marker_path, manifest_path = f"{step_name(step)}/{MARKER}", f"{step_name(step)}/{MANIFEST}"
     try:
         raw = store.read(marker_path, 0, 4096)
         marker = json.loads(raw)
         want_crc, want_step = str(marker["manifest_crc32c"]), int(marker["step"])
+        signature = marker.get("signature")
     except FileNotFoundError:
         raise CheckpointCorruptError(
             store.where(marker_path),
@@ -211,7 +221,15 @@ def read_committed(folder: str | Storage, step: int) -> Manifest:
             store.where(manifest_path),
             f"manifest crc32c {crc32c_of_bytes(data)} differs from the marker's {want_crc}",
         )
+    if signer is not None:
+        signer.check(bytes(data), signature, store.where(marker_path))
     manifest = Manifest.from_bytes(bytes(data), store.where(manifest_path))
+    if signer is not None and signature is not None and signer.active:
+        plain = [f.path for f in manifest.files if f.digest is None]
+        if plain:  # a CRC is no proof against a deliberate change
+            raise CheckpointCorruptError(
+                store.where(manifest_path), f"signed, but {plain[0]} has no cryptographic digest"
+            )
     if manifest.step != want_step or want_step != step:
         raise CheckpointCorruptError(
             store.where(marker_path), f"marker names step {want_step}, folder differs"

@@ -37,6 +37,7 @@ codes above (msgpack itself decodes code -1, timestamps).
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import itertools
 import json
@@ -258,7 +259,7 @@ class Snapshot:
         """Write to a local path or URL; the record carries `relpath`."""
         folder, name = _split(path)
         rec = self.write_to(open_storage(folder), name)
-        return FileRecord(path=relpath, size=rec.size, crc32c=rec.crc32c)
+        return dataclasses.replace(rec, path=relpath)
 
     def write_to(self, store: Storage, relpath: str) -> FileRecord:
         """Write the file durably, checksummed as it goes; on error the partial file is removed."""

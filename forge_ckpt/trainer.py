@@ -53,6 +53,7 @@ from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersCon
 
 from . import layout, rng, serialization
 from .dcp_io import METADATA, SeamReader, SeamWriter
+from .dcp_metadata import load_metadata
 from .errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
 from .staging import SnapshotBuffers
 from .storage import FileRecord, Storage, StorageSpec, open_storage
@@ -286,8 +287,13 @@ class TrainerCheckpointer:
             raise CheckpointCorruptError(store.where(DCP_METADATA), "not listed in the manifest")
         keep = store.local_path() is None  # an object store: keep what was downloaded
         cache: dict[str, bytes | bytearray] = {}
-        mine = [DCP_METADATA] + [p for p in sorted(recs) if self._checks(p)]
-        for path in mine:
+        # DCP's metadata is opened here, through the allowlist: a planted pickle is refused
+        # before anything is applied, and never runs.
+        meta = store.read_verified(DCP_METADATA, recs[DCP_METADATA])
+        load_metadata(meta, store.where(DCP_METADATA))
+        if keep:
+            cache[DCP_METADATA] = meta
+        for path in (p for p in sorted(recs) if self._checks(p)):
             if keep:
                 cache[path] = store.read_verified(path, recs[path])
             else:

@@ -39,20 +39,69 @@ class PreconditionFailedError(StorageError):
     """A replace-if-unchanged found a different version than the one read."""
 
 
+DIGESTS = ("blake3", "sha256")
+
+
 @dataclass(frozen=True)
 class FileRecord:
-    """What a component reports for each file it wrote: path relative to the step folder."""
+    """What a component reports for each file it wrote: path relative to the step folder,
+    size, CRC32C (always: fast, catches accidents) and optionally a cryptographic digest
+    ("blake3:<hex>" or "sha256:<hex>": what a signed manifest vouches for)."""
 
     path: str
     size: int
     crc32c: str  # 8 lowercase hex digits
+    digest: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"path": self.path, "size": self.size, "crc32c": self.crc32c}
+        d: dict[str, Any] = {"path": self.path, "size": self.size, "crc32c": self.crc32c}
+        if self.digest is not None:
+            d["digest"] = self.digest
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> FileRecord:
-        return cls(path=str(d["path"]), size=int(d["size"]), crc32c=str(d["crc32c"]))
+        digest = d.get("digest")
+        return cls(
+            str(d["path"]),
+            int(d["size"]),
+            str(d["crc32c"]),
+            None if digest is None else str(digest),
+        )
+
+
+class Checksums:
+    """CRC32C, plus a cryptographic digest when one is asked for, over the same bytes."""
+
+    def __init__(self, digest: str | None = None) -> None:
+        if digest is not None and digest not in DIGESTS:
+            raise ValueError(f"digest must be one of {DIGESTS} or None, got {digest!r}")
+        self.crc, self.size, self.algo = 0, 0, digest
+        self._h: Any = None
+        if digest == "blake3":
+            from blake3 import blake3
+
+            self._h = blake3(max_threads=blake3.AUTO)
+        elif digest == "sha256":
+            import hashlib
+
+            self._h = hashlib.sha256()
+
+    def update(self, data: Any) -> None:
+        self.crc = _crc32c.crc32c(data, self.crc)
+        self.size += memoryview(data).nbytes
+        if self._h is not None:
+            self._h.update(data)
+
+    def record(self, path: str) -> FileRecord:
+        digest = None if self._h is None else f"{self.algo}:{self._h.hexdigest()}"
+        return FileRecord(path, self.size, f"{self.crc:08x}", digest)
+
+
+def checksums_of(data: Any, digest: str | None) -> Checksums:
+    c = Checksums(digest)
+    c.update(memoryview(data).cast("B"))
+    return c
 
 
 @dataclass(frozen=True)
@@ -95,9 +144,15 @@ def crc_update(crc: int, data: Any) -> int:
     return _crc32c.crc32c(data, crc)
 
 
-def check_record(where: str, size: int, crc: int | str, expected: FileRecord) -> None:
-    """Raise CheckpointCorruptError naming `where` when size or checksum differ."""
+def check_record(
+    where: str, size: int, crc: int | str, expected: FileRecord, got: FileRecord | None = None
+) -> None:
+    """Raise CheckpointCorruptError naming `where` when size, checksum or digest differ."""
     crc_hex = crc if isinstance(crc, str) else f"{crc:08x}"
+    if expected.digest is not None and got is not None and got.digest != expected.digest:
+        raise CheckpointCorruptError(
+            where, f"{expected.digest.split(':')[0]} digest differs from the manifest's (altered)"
+        )
     if size != expected.size:
         raise CheckpointCorruptError(
             where,
@@ -133,6 +188,15 @@ def fault(op: str, allow_skip: bool = True) -> bool:
     return skip
 
 
+def _algo(rec: FileRecord) -> str | None:
+    return None if rec.digest is None else rec.digest.split(":", 1)[0]
+
+
+def expected_algo(rec: FileRecord) -> str | None:
+    """The digest algorithm a record was written with (to recompute it on read)."""
+    return _algo(rec)
+
+
 class Writer(ABC):
     """One object/file being written; bytes are checksummed as they pass (no read-back)."""
 
@@ -161,6 +225,11 @@ class Storage(ABC):
     """A folder of objects. Every method takes paths relative to the root."""
 
     spec: StorageSpec
+
+    @property
+    def digest(self) -> str | None:
+        """The cryptographic digest every writer of this storage computes (None: CRC32C only)."""
+        return self.spec.options.get("digest")
 
     @property
     def url(self) -> str:
@@ -214,7 +283,8 @@ class Storage(ABC):
         except FileNotFoundError:
             raise CheckpointCorruptError(self.where(path), "file is missing") from None
         if expected is not None:
-            check_record(self.where(path), len(buf), crc32c_of_bytes(buf), expected)
+            c = checksums_of(buf, _algo(expected))
+            check_record(self.where(path), c.size, c.crc, expected, c.record(path))
         return buf
 
     def verify(self, path: str, expected: FileRecord) -> None:

@@ -20,6 +20,7 @@ from ..errors import CheckpointCorruptError
 from .base import (
     CHUNK,
     AlreadyExistsError,
+    Checksums,
     FileRecord,
     PreconditionFailedError,
     Storage,
@@ -27,7 +28,7 @@ from .base import (
     Writer,
     check_record,
     crc32c_of_bytes,
-    crc_update,
+    expected_algo,
     fault,
 )
 
@@ -53,18 +54,16 @@ class LocalWriter(Writer):
     SMALL = 1 << 20
     BUFFER = 4 << 20
 
-    def __init__(self, full: str, path: str) -> None:
+    def __init__(self, full: str, path: str, digest: str | None = None) -> None:
         self.full, self.path = full, path
+        self._sums = Checksums(digest)
         fault("open")
         self._fd = os.open(full, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        self._crc = 0
-        self._size = 0
         self._buf = bytearray()
 
     def write(self, data: Any) -> None:
         mv = memoryview(data).cast("B")
-        self._crc = crc_update(self._crc, mv)
-        self._size += len(mv)
+        self._sums.update(mv)
         if len(mv) < self.SMALL:
             self._buf += mv
             if len(self._buf) >= self.BUFFER:
@@ -94,7 +93,7 @@ class LocalWriter(Writer):
         finally:
             os.close(self._fd)
             self._fd = -1
-        return FileRecord(self.path, self._size, f"{self._crc:08x}")
+        return self._sums.record(self.path)
 
     def abort(self) -> None:
         self._buf = bytearray()
@@ -124,12 +123,12 @@ class LocalStorage(Storage):
 
     # ---- writing ---------------------------------------------------------------------------
     def writer(self, path: str) -> LocalWriter:
-        return LocalWriter(self._p(path), path)
+        return LocalWriter(self._p(path), path, self.digest)
 
     def _write_temp(self, path: str, data: bytes) -> tuple[str, FileRecord]:
         tmp = f"{self._p(path)}.tmp.{os.getpid()}.{uuid.uuid4().hex[:8]}"
         try:
-            with LocalWriter(tmp, path) as w:
+            with LocalWriter(tmp, path, self.digest) as w:
                 w.write(data)
                 return tmp, w.close()
         except BaseException:
@@ -209,16 +208,16 @@ class LocalStorage(Storage):
             f = open(full, "rb", buffering=0)
         except FileNotFoundError:
             raise CheckpointCorruptError(full, "file is missing") from None
+        sums = Checksums(expected_algo(expected))
         with f:
             size = os.fstat(f.fileno()).st_size
-            crc = 0
             if size:
                 with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
                     m.madvise(mmap.MADV_SEQUENTIAL)
                     with memoryview(m) as mv:
                         for pos in range(0, size, CHUNK):
-                            crc = crc_update(crc, mv[pos : pos + CHUNK])
-        check_record(full, size, crc, expected)
+                            sums.update(mv[pos : pos + CHUNK])
+        check_record(full, size, sums.crc, expected, sums.record(path))
 
     def size(self, path: str) -> int | None:
         try:

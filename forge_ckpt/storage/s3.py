@@ -21,13 +21,13 @@ from typing import Any
 from ..errors import CheckpointCorruptError
 from .base import (
     AlreadyExistsError,
+    Checksums,
     FileRecord,
     PreconditionFailedError,
     Storage,
     StorageError,
     StorageSpec,
     Writer,
-    crc_update,
     fault,
     join,
 )
@@ -44,8 +44,10 @@ OPTIONS = {
     "max_attempts": 8,
     "connect_timeout_s": 10.0,
     "read_timeout_s": 120.0,
+    "digest": None,  # not a client option: the cryptographic digest writers compute
 }
 _CLIENT_KEYS = ("endpoint_url", "region_name", "aws_access_key_id", "aws_secret_access_key")
+_NOT_CLIENT = ("digest",)
 _clients: dict[Any, Any] = {}
 _clients_lock = threading.Lock()
 
@@ -90,7 +92,7 @@ class S3Storage(Storage):
         self.opts = {**OPTIONS, **spec.options}
         self.bucket, self.prefix = parse_url(spec.url)
         self.part_size = int(self.opts["part_size_mb"]) * 1024 * 1024
-        self.client = _client(self.opts)
+        self.client = _client({k: v for k, v in self.opts.items() if k not in _NOT_CLIENT})
         self._pool = pool
 
     @property
@@ -264,15 +266,14 @@ class S3Writer(Writer):
     def __init__(self, store: S3Storage, path: str) -> None:
         self.store, self.path = store, path
         self._buf = bytearray()
-        self._crc, self._size = 0, 0
+        self._sums = Checksums(store.digest)
         self._upload_id: str | None = None
         self._parts: list[Future] = []
         self._slots = threading.Semaphore(int(store.opts["max_concurrency"]))
 
     def write(self, data: Any) -> None:
         mv = memoryview(data).cast("B")
-        self._crc = crc_update(self._crc, mv)
-        self._size += len(mv)
+        self._sums.update(mv)
         part = self.store.part_size
         while len(mv):
             take = min(part - len(self._buf), len(mv))
@@ -312,7 +313,7 @@ class S3Writer(Writer):
             s._call("write", self.path, s.client.complete_multipart_upload, Key=s.key(self.path),
                     UploadId=self._upload_id, MultipartUpload={"Parts": parts})  # fmt: skip
         self._buf = bytearray()
-        return FileRecord(self.path, self._size, f"{self._crc:08x}")
+        return self._sums.record(self.path)
 
     def abort(self) -> None:
         for f in self._parts:
