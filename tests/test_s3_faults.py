@@ -171,3 +171,25 @@ def test_killed_holder_is_taken_over(s3_folder):
     second = CheckpointCoordinator(cfg(s3_folder.url, s3_folder.options))
     assert second.steps() == [1] and asyncio.run(second.save(2)).committed
     second.close()
+
+
+async def test_cli_takes_s3_urls(ray_local, s3_folder, monkeypatch):
+    from typer.testing import CliRunner
+
+    from forge_ckpt.cli import app
+
+    coord, samplers, stats = await build(cfg(s3_folder.url, s3_folder.options))
+    await run_steps(samplers, stats, 1)
+    await coord.save(1)
+    coord.close()
+    for k, v in s3_folder.server.env().items():  # the CLI takes the standard AWS environment
+        monkeypatch.setenv(k, v)
+    runner = CliRunner()
+    out = runner.invoke(app, ["list", s3_folder.url])
+    assert out.exit_code == 0 and "yes" in out.output, out.output
+    out = runner.invoke(app, ["verify", f"{s3_folder.url}/step-1"])
+    assert out.exit_code == 0 and "files intact" in out.output, out.output
+    out = runner.invoke(app, ["inspect", f"{s3_folder.url}/step-1"])
+    assert out.exit_code == 0 and "sampler" in out.output, out.output
+    assert runner.invoke(app, ["gc", s3_folder.url]).exit_code == 0
+    assert s3_folder.options["aws_secret_access_key"] not in out.output
