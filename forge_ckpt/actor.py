@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import posixpath
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import rng, serialization
 from .storage import FileRecord, Storage, StorageSpec, open_storage
@@ -85,6 +85,14 @@ class Checkpointable:
     anything is loaded.
     """
 
+    _forge_write: BackgroundWrite | None  # the last save's write; unset before the first save
+
+    if TYPE_CHECKING:  # defined by the actor class that mixes this in
+
+        def state_dict(self) -> Any: ...
+
+        def load_state_dict(self, state: Any) -> None: ...
+
     def rng_generators(self) -> dict[str, rng.Generator]:
         return {}
 
@@ -105,7 +113,9 @@ class Checkpointable:
         return {"nbytes": snap.nbytes, "files": None if background else self.forge_save_status()}
 
     def forge_save_status(self) -> list[dict] | None:
-        return self._forge_write.status()
+        write = self._forge_write
+        assert write is not None, "forge_save_status() before forge_begin_save()"
+        return write.status()
 
     def forge_abort_save(self, timeout_s: float = 60.0) -> bool:
         """The step failed elsewhere: wait (bounded) for a background write and forget it, so

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import posixpath
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,12 +25,40 @@ PROTOCOL_METHOD = "forge_begin_save"
 
 
 @dataclass
-class Unit:
+class Unit(ABC):
+    """One rank or replica; the coordinator drives every kind through these calls."""
+
     name: str  # component name; "trainer" for trainer ranks
     index: int  # replica index or rank
     handle: Any
     relpath: str  # the actor's file; "" for trainer ranks (they name their own files)
     label: str = ""
+
+    @abstractmethod
+    async def begin(self, where: StorageSpec, background: bool) -> int:
+        """Take the snapshot and start (or, unless `background`, finish) its write; its size."""
+
+    @abstractmethod
+    async def status(self) -> list[FileRecord] | None:
+        """The written files once durable, else None (the write still runs)."""
+
+    @abstractmethod
+    async def abort_save(self, timeout_s: float) -> None:
+        """Wait (bounded) for a write whose step failed, and forget it."""
+
+    @abstractmethod
+    async def prepare(
+        self, where: StorageSpec, records: list[FileRecord], verify: bool, options: dict
+    ) -> None:
+        """Read, verify and decode `records` without changing the actor yet."""
+
+    @abstractmethod
+    async def apply(self) -> None:
+        """Load what `prepare` staged into the actor."""
+
+    @abstractmethod
+    async def abort(self) -> None:
+        """Drop what `prepare` staged."""
 
 
 class RemoteUnit(Unit):

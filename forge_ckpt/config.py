@@ -106,5 +106,5 @@ class CheckpointConfig:
         """Load from YAML; the file may hold the keys at top level or under `checkpoint:`."""
         with open(path) as f:
             d = yaml.safe_load(f) or {}
-        d = d.get("checkpoint", d)
+        d = d.get("checkpoint", d) or {}  # `checkpoint:` with nothing under it: defaults
         return cls.from_dict({**d, **overrides})

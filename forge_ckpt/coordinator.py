@@ -238,7 +238,7 @@ class CheckpointCoordinator:
         """Stop every unit's part of a failed save (a trainer rank joins its background write,
         so the next save and load find it idle), then remove the step's files. Units that
         failed or hung are not asked: a hung actor would answer only after its hang."""
-        failed = getattr(error, "failed_units", set())
+        failed: set[str] = getattr(error, "failed_units", set())
         units = [u for u in units if u.label not in failed]
         timeout = self.config.abort_timeout_s
         calls = [asyncio.wait_for(u.abort_save(timeout), timeout + 5) for u in units]
@@ -276,7 +276,8 @@ class CheckpointCoordinator:
     def _newest(self) -> int | None | OSError:
         """The newest committed step for error messages (the error if it cannot be listed)."""
         try:
-            return (self.steps() or [None])[-1]
+            steps = self.steps()
+            return steps[-1] if steps else None
         except OSError as e:
             return e
 
@@ -368,7 +369,7 @@ class CheckpointCoordinator:
         call: Callable[[Unit], Awaitable] | None,
         step: int,
         phase: str,
-        calls: list[Awaitable] | None = None,
+        calls: Sequence[Awaitable] | None = None,
     ) -> list:
         """Run one call per unit at once (trainer ranks' calls are collectives: never in
         sequence); any failure becomes one error naming every failed unit."""

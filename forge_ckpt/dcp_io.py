@@ -96,7 +96,9 @@ class SeamFileSystem(FileSystemBase):
         src, dst = str(path), str(new_path)
         local = self.store.local_path(src)
         if local is not None:
-            os.replace(local, self.store.local_path(dst))
+            dst_local = self.store.local_path(dst)
+            assert dst_local is not None  # a store with a local path for one has it for all
+            os.replace(local, dst_local)
         else:
             self.store.write(dst, self.store.read(src))
             self.store.delete(src)
@@ -131,7 +133,9 @@ class SeamWriter(FileSystemWriter):
         # sync_files=False: our storage writer makes each file durable itself (DCP would
         # otherwise fall back to a machine-wide os.sync() for a stream without a fileno).
         super().__init__("", sync_files=False, thread_count=thread_count)
-        self.fs = SeamFileSystem(store)
+        self.seam = SeamFileSystem(store)
+        # DCP types `fs` as its local FileSystem but only uses the FileSystemBase interface.
+        self.fs = self.seam  # type: ignore[assignment]
         self.path = ""
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
@@ -139,7 +143,7 @@ class SeamWriter(FileSystemWriter):
 
     @property
     def records(self) -> list[FileRecord]:
-        return sorted(self.fs.records.values(), key=lambda r: r.path)
+        return sorted(self.seam.records.values(), key=lambda r: r.path)
 
 
 class SeamReader(FileSystemReader):
@@ -152,7 +156,8 @@ class SeamReader(FileSystemReader):
         cache: dict[str, bytes | bytearray] | None = None,
     ) -> None:
         super().__init__("")
-        self.fs = SeamFileSystem(store, expected, cache)
+        self.seam = SeamFileSystem(store, expected, cache)
+        self.fs = self.seam  # type: ignore[assignment]  # as in SeamWriter
         self.path = ""
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
@@ -163,11 +168,12 @@ class SeamReader(FileSystemReader):
 
         if kwargs.get("rank") is not None:
             raise CheckpointCorruptError(
-                self.fs.store.where(METADATA), "per-rank metadata is not used"
+                self.seam.store.where(METADATA), "per-rank metadata is not used"
             )
-        data = self.fs.read(METADATA)
-        metadata = load_metadata(data, self.fs.store.where(METADATA))
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
+        data = self.seam.read(METADATA)
+        metadata = load_metadata(data, self.seam.store.where(METADATA))
+        storage_meta = getattr(metadata, "storage_meta", None)
+        if storage_meta is None:
+            storage_meta = metadata.storage_meta = StorageMeta()
+        storage_meta.load_id = self.load_id
         return metadata

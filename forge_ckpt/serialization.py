@@ -37,6 +37,7 @@ codes above (msgpack itself decodes code -1, timestamps).
 
 from __future__ import annotations
 
+import builtins
 import dataclasses
 import gc
 import itertools
@@ -159,7 +160,7 @@ class _Encoder:
             raw = obj.to_bytes((obj.bit_length() + 8) // 8, "little", signed=True)
             self.packer.pack(msgpack.ExtType(EXT_BIGINT, raw))
 
-    def key(self, k: Any, path: tuple | None, depth: int) -> None:
+    def key(self, k: Any, path: tuple | None, depth: builtins.int) -> None:
         t = type(k)
         if t is int:
             self.int(k)
@@ -211,9 +212,13 @@ class _Encoder:
         )
         self.blob(EXT_TENSOR, name, tuple(t.shape), c.reshape(-1).view(torch.uint8).numpy(), owned)
 
-    def blob(self, code: int, dtype: str, shape: tuple, raw: np.ndarray, owned: bool) -> None:
+    def blob(
+        self, code: builtins.int, dtype: str, shape: tuple, raw: np.ndarray, owned: bool
+    ) -> None:
         """Record a blob; copy its bytes only when the snapshot must not see later mutation."""
-        data = memoryview(raw if owned or not self.copy else raw.copy())
+        # Any: numpy's stubs declare ndarray.__buffer__ only for Python >= 3.12.
+        arr: Any = raw if owned or not self.copy else raw.copy()
+        data = memoryview(arr)
         off = _align(self.end)
         self.end = off + data.nbytes
         self.blobs.append((off, data))
@@ -419,6 +424,7 @@ class _Decoder:
         return self.view(code, dtype, shape, count, self.start + off)
 
     def view(self, code: int, dtype: Any, shape: list, count: int, pos: int) -> Any:
+        assert self.data is not None  # blob() returns a description when there is no data
         if code == EXT_TENSOR:
             if count == 0:
                 return torch.empty(shape, dtype=dtype)

@@ -443,13 +443,12 @@ class TrainerMixin:
         host = f"[{addr}]" if ":" in addr else addr
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK="0")
         os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port))
-        kwargs = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
         dist.init_process_group(
             "gloo",
             init_method=f"tcp://{host}:{port}",
+            timeout=None if timeout_s is None else timedelta(seconds=timeout_s),  # None: default
             rank=rank,
             world_size=world_size,
-            **kwargs,
         )
 
 

@@ -12,6 +12,7 @@ trainer ranks) is its `StorageSpec`: the URL plus options, picklable, with secre
 
 from __future__ import annotations
 
+import builtins
 import errno
 import os
 import time
@@ -299,11 +300,11 @@ class Storage(ABC):
         return self.size(path) is not None
 
     @abstractmethod
-    def list(self, prefix: str = "") -> list[str]:
+    def list(self, prefix: str = "") -> builtins.list[str]:
         """Names of the immediate children (objects and sub-folders) of `prefix`, sorted."""
 
     @abstractmethod
-    def walk(self, prefix: str = "") -> list[tuple[str, int]]:
+    def walk(self, prefix: str = "") -> builtins.list[tuple[str, int]]:
         """Every object under `prefix`: (path relative to the root, size), sorted."""
 
     # ---- deleting and moving ---------------------------------------------------------------

@@ -8,6 +8,7 @@ fsync + link (fails if the name exists) + fsync(folder).
 
 from __future__ import annotations
 
+import builtins
 import errno
 import fcntl
 import mmap
@@ -225,13 +226,13 @@ class LocalStorage(Storage):
         except FileNotFoundError:
             return None
 
-    def list(self, prefix: str = "") -> list[str]:
+    def list(self, prefix: str = "") -> builtins.list[str]:
         try:
             return sorted(os.listdir(self._p(prefix)))
         except (FileNotFoundError, NotADirectoryError):
             return []
 
-    def walk(self, prefix: str = "") -> list[tuple[str, int]]:
+    def walk(self, prefix: str = "") -> builtins.list[tuple[str, int]]:
         out = []
         for dirpath, _, files in os.walk(self._p(prefix)):
             rel = os.path.relpath(dirpath, self.root)

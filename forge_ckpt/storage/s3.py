@@ -13,6 +13,7 @@ them. Throttling, 5xx and dropped connections are retried with exponential backo
 
 from __future__ import annotations
 
+import builtins
 import errno
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -202,12 +203,12 @@ class S3Storage(Storage):
         except Exception as e:
             raise _translate(e, "list", self.where(prefix), self.opts.get("endpoint_url")) from None
 
-    def list(self, prefix: str = "") -> list[str]:
+    def list(self, prefix: str = "") -> builtins.list[str]:
         # Derived from the objects themselves, not from common prefixes: some S3-compatible
         # stores (SeaweedFS) keep listing a "folder" for a while after its last object went.
         return sorted({p.split("/", 1)[0] for p, _ in self.walk(prefix, relative_to=prefix)})
 
-    def walk(self, prefix: str = "", relative_to: str = "") -> list[tuple[str, int]]:
+    def walk(self, prefix: str = "", relative_to: str = "") -> builtins.list[tuple[str, int]]:
         base = self.key(relative_to)
         cut = len(base) + 1 if base else 0
         out = []
