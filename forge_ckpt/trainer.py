@@ -271,8 +271,8 @@ class TrainerCheckpointer:
         if rank_file is not None:
             if verify and rank_file not in recs:
                 raise CheckpointCorruptError(store.where(rank_file), "not listed in the manifest")
-            expected = recs.get(rank_file) if verify else None
-            rank_state = serialization.load_from(store, rank_file, expected)
+            rank_rec = recs.get(rank_file) if verify else None
+            rank_state = serialization.load_from(store, rank_file, rank_rec)
             if rank_state.get("rank") != self.rank:
                 raise CheckpointMismatchError(
                     [
@@ -280,7 +280,11 @@ class TrainerCheckpointer:
                         f"loaded by rank {self.rank}"
                     ]  # fmt: skip
                 )
-        self._staged = _StagedLoad(store, load_optimizer, rank_state, recs if verify else {}, cache)
+        # Files this rank verified are not checked again while DCP reads them; the others
+        # (another rank's shards, when resharding) are checked as they are read.
+        unchecked = {p: r for p, r in recs.items() if p not in cache} if verify else {}
+        cache = {p: data for p, data in cache.items() if data}
+        self._staged = _StagedLoad(store, load_optimizer, rank_state, unchecked, cache)
 
     def _verify(self, store: Storage, recs: dict[str, FileRecord]) -> dict[str, bytes | bytearray]:
         if DCP_METADATA not in recs:
@@ -291,13 +295,13 @@ class TrainerCheckpointer:
         # before anything is applied, and never runs.
         meta = store.read_verified(DCP_METADATA, recs[DCP_METADATA])
         load_metadata(meta, store.where(DCP_METADATA))
-        if keep:
-            cache[DCP_METADATA] = meta
+        cache[DCP_METADATA] = meta
         for path in (p for p in sorted(recs) if self._checks(p)):
             if keep:
                 cache[path] = store.read_verified(path, recs[path])
             else:
                 store.verify(path, recs[path])
+                cache[path] = b""  # verified here: the load reads the file as it is
         return cache
 
     def _checks(self, path: str) -> bool:
