@@ -5,6 +5,8 @@ fsync'd writes, cold reads, `torch.save`, TorchTitan's `CheckpointManager` alone
 results stay comparable on machines whose disks differ or drift. The run writes
 `docs/benchmarks.md`, `docs/benchmarks.json` and the plots under `docs/img/`.
 
-Modules: `disk` (raw baselines, page-cache control), `workload` (the Ray trainer and actors
-under test, with phase timers), `experiments` (the measurements), `report` (tables, plots).
+Modules: `disk` (raw baselines, page-cache control), `actors` / `trainer_rank` / `timers` (the
+Ray trainer and actors under test, with phase timers), `experiments` (the measurements),
+`storage_bench` / `storage_methods` (the storage part: S3 and local DCP I/O, no Ray), `report`
+(a package, one module per section of the page: tables, plots).
 """

@@ -1,12 +1,15 @@
 """`python -m benchmarks.run` (= `make bench`): measure forge_ckpt against the disk, torch.save
 and TorchTitan alone, then write docs/benchmarks.md, docs/benchmarks.json and docs/img/*.png.
 
-    python -m benchmarks.run                 # the full suite (~10 min on a 2-core VM)
+    python -m benchmarks.run                 # the full suite (~10 min on a 2-core VM, plus
+        ~5-8 min for the storage part at 1 GiB)
     python -m benchmarks.run --quick         # a ~2 min smoke run, report under runs/bench-quick/
     python -m benchmarks.run --trials 3      # fewer trials per figure (default 5)
     python -m benchmarks.run --report-only docs/benchmarks.json   # re-render the report
     python -m benchmarks.run --parts gpu --out runs/gpu   # on a CUDA machine: the GPU check
     python -m benchmarks.run --merge-gpu docs/benchmarks_gpu.json   # CPU run + that GPU part
+    python -m benchmarks.run --parts storage --trials 3 --storage-mib 1024   # S3 + local DCP
+        I/O only (~5 min): merged into the existing docs/benchmarks.{json,md}, rest untouched
 
 Scratch files go to runs/bench/ (on the disk under test) and are deleted at the end.
 """
@@ -32,7 +35,7 @@ os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 import ray  # noqa: E402
 import torch  # noqa: E402
 
-from . import disk, experiments, report  # noqa: E402
+from . import disk, experiments, report, storage_bench  # noqa: E402
 from .timers import install_timers  # noqa: E402
 
 log = logging.getLogger("benchmarks")
@@ -42,6 +45,7 @@ FULL_SIZES_MIB = [64, 256, 1024, 2048]
 QUICK_SIZES_MIB = [64, 256]
 FULL_ACTORS = [1, 4, 16, 64]
 QUICK_ACTORS = [1, 4, 8]
+PARTS = ["state", "actors", "gpu", "storage"]
 RAM_FACTOR = 3.5  # peak memory of a state point, in units of its total state (measured ~2.5x)
 
 
@@ -64,9 +68,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--parts",
         nargs="+",
-        choices=["state", "actors", "gpu"],
-        default=["state", "actors", "gpu"],
-        help="which parts to run (default all; 'gpu' runs only where CUDA is present)",
+        choices=PARTS,
+        default=PARTS,
+        help="which parts to run (default all; 'gpu' runs only where CUDA is present; "
+        "'storage' alone is merged into the existing report instead of replacing it)",
+    )
+    p.add_argument(
+        "--storage-mib",
+        type=int,
+        default=None,
+        help="state saved by the storage part (S3 and local DCP I/O; default 1024, 128 --quick)",
     )
     p.add_argument("--report-only", metavar="JSON", help="render the report from a results file")
     p.add_argument(
@@ -82,6 +93,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.sizes = QUICK_SIZES_MIB if args.quick else FULL_SIZES_MIB
     if args.actors is None:
         args.actors = QUICK_ACTORS if args.quick else FULL_ACTORS
+    if args.storage_mib is None:
+        args.storage_mib = 128 if args.quick else 1024
     if args.actor_total is None:
         args.actor_total = 64 if args.quick else 256
     if args.out is None:
@@ -226,24 +239,39 @@ def _merge_gpu(results: dict[str, Any], path: str | None) -> None:
         results["gpu_run"] = {k: other[k] for k in ("command", "date", "machine", "wall_s")}
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(name)s %(message)s", datefmt="%H:%M:%S"
-    )
-    logging.getLogger("forge_ckpt").setLevel(logging.WARNING)
-    if args.report_only:
-        with open(args.report_only) as f:
-            results = json.load(f)
-        _merge_gpu(results, args.merge_gpu)
-        report.write(results, args.out)
-        return 0
-
-    os.makedirs(args.work_dir, exist_ok=True)
-    command = "python -m benchmarks.run" + "".join(
+def _command(argv: list[str] | None) -> str:
+    return "python -m benchmarks.run" + "".join(
         " " + shlex.quote(a) for a in (argv or sys.argv[1:])
     )
-    results: dict[str, Any] = {
+
+
+def _storage(args: argparse.Namespace, command: str, cache: str) -> dict[str, Any] | str:
+    """The storage part's results, or why it failed (the other parts' results still count)."""
+    try:
+        out = storage_bench.run_storage(args.storage_mib, args.trials, args.work_dir, cache)
+    except Exception as e:  # a server that did not start, a missing package: report, go on
+        log.exception("storage part failed")
+        return f"storage part failed: {type(e).__name__}: {e}"
+    out["command"] = command
+    return out
+
+
+def _storage_only(args: argparse.Namespace, command: str) -> int:
+    """`--parts storage`: measure that part alone and merge it into the existing report."""
+    os.makedirs(args.work_dir, exist_ok=True)
+    try:
+        storage = _storage(args, command, disk.drop_cache_method())
+    finally:
+        shutil.rmtree(args.work_dir, ignore_errors=True)
+    if isinstance(storage, str):
+        return 1
+    report.merge_storage(storage, args.out)
+    log.info("storage part done in %.0fs; merged into %s", storage["wall_s"], args.out)
+    return 0
+
+
+def _new_results(args: argparse.Namespace, command: str) -> dict[str, Any]:
+    return {
         "command": command,
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "machine": machine_info(args.work_dir),
@@ -258,9 +286,13 @@ def main(argv: list[str] | None = None) -> int:
             "quick": args.quick,
             "gpu_gib": args.gpu_gib,
             "parts": args.parts,
+            "storage_mib": args.storage_mib,
         },
     }
-    start = time.perf_counter()
+
+
+def _run_all(args: argparse.Namespace, results: dict[str, Any]) -> None:
+    """The Ray parts, then (Ray stopped: its memory back) the storage part."""
     ray.init(
         address="local",
         num_cpus=4,
@@ -271,6 +303,35 @@ def main(argv: list[str] | None = None) -> int:
         asyncio.run(run(args, results))
     finally:
         ray.shutdown()
+    if "storage" in args.parts:
+        storage = _storage(args, results["command"], results["cache_method"])
+        if isinstance(storage, str):
+            results["errors"].append(storage)
+        else:
+            results["storage"] = storage
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(name)s %(message)s", datefmt="%H:%M:%S"
+    )
+    logging.getLogger("forge_ckpt").setLevel(logging.WARNING)
+    if args.report_only:
+        with open(args.report_only) as f:
+            results = json.load(f)
+        _merge_gpu(results, args.merge_gpu)
+        report.write(results, args.out)
+        return 0
+    if args.parts == ["storage"]:
+        return _storage_only(args, _command(argv))
+
+    os.makedirs(args.work_dir, exist_ok=True)
+    results = _new_results(args, _command(argv))
+    start = time.perf_counter()
+    try:
+        _run_all(args, results)
+    finally:
         shutil.rmtree(args.work_dir, ignore_errors=True)
     results["wall_s"] = time.perf_counter() - start
     _merge_gpu(results, args.merge_gpu)
