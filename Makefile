@@ -27,6 +27,7 @@ test: setup
 
 bench: setup
 	$(PY) -m benchmarks.run --merge-gpu docs/benchmarks_gpu.json
+	$(PY) -m benchmarks.integrity
 
 lint: setup
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check . && $(VENV)/bin/mypy
