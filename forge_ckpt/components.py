@@ -183,14 +183,19 @@ class Group:
 
 
 class TrainerGroup(Group):
-    """The trainer's ranks: every rank reads the DCP files it needs (DCP reshards across world
-    sizes); each rank's RNG file is restored only when the world size is unchanged."""
+    """The trainer's ranks. A change of world size (N saved, M now) is not a mismatch: DCP
+    reshards model, optimizer and LR state, and every rank reads the pieces it needs. The
+    per-rank RNG streams follow one deterministic rule: rank r restores the streams saved by
+    rank r mod N (N -> M with M < N drops ranks M..N-1's streams; with M > N several ranks
+    start from the same saved streams, as ranks seeded alike would)."""
 
     kind = "trainer"
     members = "trainer ranks"
 
+    def differences(self, saved: layout.Component) -> list[str]:
+        return []  # any world size loads; see plan()
+
     def plan(self, saved: layout.Component, exclude: set[str]) -> LoadPlan:
-        same_shape = saved.replicas == len(self.units)
         load_optimizer = "optimizer" not in exclude
         return [
             (
@@ -198,7 +203,8 @@ class TrainerGroup(Group):
                 saved.files,
                 {
                     "load_optimizer": load_optimizer,
-                    "rank_file": layout.trainer_rank_file(u.index) if same_shape else None,
+                    "rank_file": layout.trainer_rank_file(u.index % saved.replicas),
+                    "saved_rank": u.index % saved.replicas,
                 },
             )
             for u in self.units

@@ -249,6 +249,7 @@ class TrainerCheckpointer:
         verify: bool,
         load_optimizer: bool = True,
         rank_file: str | None,
+        saved_rank: int | None = None,
     ) -> None:
         """Verify files and decode this rank's file; changes nothing in the trainer.
 
@@ -273,13 +274,17 @@ class TrainerCheckpointer:
                 raise CheckpointCorruptError(store.where(rank_file), "not listed in the manifest")
             rank_rec = recs.get(rank_file) if verify else None
             rank_state = serialization.load_from(store, rank_file, rank_rec)
-            if rank_state.get("rank") != self.rank:
+            want = self.rank if saved_rank is None else saved_rank
+            if rank_state.get("rank") != want:
                 raise CheckpointMismatchError(
                     [
                         f"{store.where(rank_file)} holds rank {rank_state.get('rank')}, "
-                        f"loaded by rank {self.rank}"
+                        f"expected rank {want} (loaded by rank {self.rank})"
                     ]  # fmt: skip
                 )
+            if want != self.rank:
+                log.info("trainer rank %d restores the RNG streams of saved rank %d "
+                         "(world size changed)", self.rank, want)  # fmt: skip
         # Files this rank verified are not checked again while DCP reads them; the others
         # (another rank's shards, when resharding) are checked as they are read.
         unchecked = {p: r for p, r in recs.items() if p not in cache} if verify else {}
@@ -423,6 +428,7 @@ class TrainerMixin:
             verify=verify,
             load_optimizer=options.get("load_optimizer", True),
             rank_file=options.get("rank_file"),
+            saved_rank=options.get("saved_rank"),
         )
 
     def forge_apply_load(self) -> None:
