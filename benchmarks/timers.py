@@ -59,7 +59,8 @@ def install_timers(kind: str) -> None:
     if kind in _INSTALLED:
         return
     _INSTALLED.add(kind)
-    from forge_ckpt import serialization, storage
+    from forge_ckpt import serialization
+    from forge_ckpt.storage import base, local
 
     if kind == "driver":
         from forge_ckpt import commit
@@ -68,13 +69,13 @@ def install_timers(kind: str) -> None:
         _patch(commit, "commit_step", "commit")
         _patch(commit, "apply_retention", "retention")
         return
-    if not isinstance(storage._crc32c, _TimedCrc):
-        storage._crc32c = _TimedCrc(storage._crc32c)
-    _patch(storage.ChecksummedWriter, "close", "fsync_file")
+    if not isinstance(base._crc32c, _TimedCrc):
+        base._crc32c = _TimedCrc(base._crc32c)
+    _patch(local.LocalWriter, "close", "fsync_file")
     _patch(serialization, "snapshot", "snapshot")
-    _patch(serialization.Snapshot, "write", "file_write")
-    _patch(serialization, "read_verified", "read_verified")
-    _patch(serialization, "load", "file_load")
+    _patch(serialization.Snapshot, "write_to", "file_write")
+    _patch(local.LocalStorage, "read_verified", "read_verified")
+    _patch(serialization, "load_from", "file_load")
     if kind == "trainer":
         import torch.distributed.checkpoint as dcp
 
@@ -82,9 +83,8 @@ def install_timers(kind: str) -> None:
 
         _patch(dcp, "save", "dcp_save")
         _patch(dcp, "load", "dcp_load")
-        _patch(trainer, "_record", "crc_readback")
-        _patch(trainer, "fsync_dir", "fsync_dir")
-        _patch(trainer, "verify_file", "verify")
+        _patch(local, "fsync_dir", "fsync_dir")
+        _patch(local.LocalStorage, "verify", "verify")
         _patch(trainer.TrainerCheckpointer, "_stage", "stage_copy")
         _patch(trainer.TrainerCheckpointer, "_write", "write_total")
         _patch(trainer.TrainerCheckpointer, "begin_save", "begin_save")

@@ -15,10 +15,10 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
-from torchtitan.components.checkpoint import AsyncMode, CheckpointManager
+from torchtitan.components.checkpointer import AsyncMode, CheckpointManager
 from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
 
-from forge_ckpt.trainer import TrainerCheckpointer, TrainerMixin
+from forge_ckpt.trainer import TrainerCheckpointer, TrainerMixin, flat_state
 
 from .timers import install_timers, rss, take_phases
 
@@ -85,7 +85,7 @@ class BenchTrainer(TrainerMixin):
             lr_schedulers=self.lr_schedulers,
             rng_generators={"data": self.data_rng},
         )
-        state = _stateful_resolved(self.checkpointer.manager._flattened_model_states_sd())
+        state = _stateful_resolved(flat_state(self.checkpointer.manager.states))
         params = sum(p.numel() for p in self.model.parameters())
         take_phases()
         return {
@@ -133,7 +133,7 @@ class BenchTrainer(TrainerMixin):
         """`torch.save` of TorchTitan's state dict (model + optimizer + LR schedule) + fsync."""
         self._sync()
         start = time.perf_counter()
-        state = _stateful_resolved(self.checkpointer.manager._flattened_model_states_sd())
+        state = _stateful_resolved(flat_state(self.checkpointer.manager.states))
         with open(path, "wb") as f:
             torch.save(state, f)
             f.flush()
@@ -151,7 +151,7 @@ class BenchTrainer(TrainerMixin):
             manager = self.checkpointer.manager
             start = time.perf_counter()
             manager.dcp_save(
-                manager._flattened_model_states_sd(),
+                flat_state(manager.states),
                 checkpoint_id=path,
                 async_mode=AsyncMode.DISABLED,
             )
@@ -175,7 +175,7 @@ class BenchTrainer(TrainerMixin):
         manager = self._titan_async
         start = time.perf_counter()
         future = manager.dcp_save(
-            manager._flattened_model_states_sd(), checkpoint_id=path, async_mode=AsyncMode.ASYNC
+            flat_state(manager.states), checkpoint_id=path, async_mode=AsyncMode.ASYNC
         )
         blocked = time.perf_counter() - start
         future.result()
@@ -184,7 +184,7 @@ class BenchTrainer(TrainerMixin):
     def d2h_copy(self) -> float:
         """The floor of a GPU snapshot: copy every tensor of the state into pinned CPU buffers
         allocated once (the first call), synchronously, as a bare loop of `copy_`."""
-        state = _stateful_resolved(self.checkpointer.manager._flattened_model_states_sd())
+        state = _stateful_resolved(flat_state(self.checkpointer.manager.states))
         tensors = _tensors(state)
         if self._pinned is None or len(self._pinned) != len(tensors):
             self._pinned = [torch.empty_like(t, device="cpu").pin_memory() for t in tensors]
@@ -200,7 +200,7 @@ class BenchTrainer(TrainerMixin):
         manager = self.checkpointer.manager
         start = time.perf_counter()
         manager.dcp_load(
-            manager._flattened_model_states_sd(),
+            flat_state(manager.states),
             checkpoint_id=path,
             from_hf=False,
             from_quantized=False,
