@@ -54,6 +54,12 @@ async def test_failed_async_save_does_not_wedge_the_trainer(rank_cls, tmp_path):
             await coord.save(2)
             await coord.wait()
     await asyncio.sleep(6)  # the hanging call ends
+    ray.kill(sampler)  # and an actor that dies while the trainer writes in the background
+    with pytest.raises(CheckpointSaveError, match="actor 'sampler' replica 0: the actor died"):
+        await coord.save(2)
+        await coord.wait()
+    sampler = Sampler.remote(1)
+    coord.register("sampler", sampler, replace=True)
     await ranks[0].train.remote(1)
     want = await ranks[0].summary.remote()
     assert (await coord.save(2)).step == 2  # the trainer rank was aborted cleanly: not wedged

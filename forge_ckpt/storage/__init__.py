@@ -32,7 +32,8 @@ __all__ = [
     "open_storage",
 ]
 
-_open: dict[StorageSpec, Storage] = {}
+_open: dict[StorageSpec, Storage] = {}  # recently used, bounded (one per step folder)
+_OPEN_MAX = 64
 
 
 def normalize_url(url: str) -> str:
@@ -66,5 +67,7 @@ def open_storage(where: str | StorageSpec, options: dict[str, Any] | None = None
         from .local import LocalStorage
 
         store = LocalStorage(spec)
+    if len(_open) >= _OPEN_MAX:
+        _open.pop(next(iter(_open)))
     _open[spec] = store
     return store

@@ -50,6 +50,7 @@ OPTIONS = {
 _CLIENT_KEYS = ("endpoint_url", "region_name", "aws_access_key_id", "aws_secret_access_key")
 _NOT_CLIENT = ("digest",)
 _clients: dict[Any, Any] = {}
+_pools: dict[int, ThreadPoolExecutor] = {}
 _clients_lock = threading.Lock()
 
 
@@ -85,7 +86,7 @@ def parse_url(url: str) -> tuple[str, str]:
 
 
 class S3Storage(Storage):
-    def __init__(self, spec: StorageSpec, pool: ThreadPoolExecutor | None = None) -> None:
+    def __init__(self, spec: StorageSpec) -> None:
         unknown = sorted(set(spec.options) - set(OPTIONS))
         if unknown:
             raise ValueError(f"unknown storage_options {unknown}; known: {sorted(OPTIONS)}")
@@ -94,17 +95,19 @@ class S3Storage(Storage):
         self.bucket, self.prefix = parse_url(spec.url)
         self.part_size = int(self.opts["part_size_mb"]) * 1024 * 1024
         self.client = _client({k: v for k, v in self.opts.items() if k not in _NOT_CLIENT})
-        self._pool = pool
 
     @property
     def pool(self) -> ThreadPoolExecutor:
-        if self._pool is None:
-            n = int(self.opts["max_concurrency"])
-            self._pool = ThreadPoolExecutor(n, thread_name_prefix="forge-ckpt-s3")
-        return self._pool
+        """One pool per process and concurrency (every step's storage shares it: a storage
+        per step must not mean a set of threads per step)."""
+        n = int(self.opts["max_concurrency"])
+        with _clients_lock:
+            if n not in _pools:
+                _pools[n] = ThreadPoolExecutor(n, thread_name_prefix="forge-ckpt-s3")
+            return _pools[n]
 
     def sub(self, prefix: str) -> S3Storage:
-        return S3Storage(self.spec.child(prefix), self._pool)
+        return S3Storage(self.spec.child(prefix))
 
     def key(self, path: str) -> str:
         return join(self.prefix, path) if self.prefix else path.strip("/")
@@ -253,11 +256,6 @@ class S3Storage(Storage):
         if first is not None:
             self.delete(first)
         self.delete_prefix(src)
-
-    def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
 
 
 class S3Writer(Writer):
