@@ -13,7 +13,10 @@ def load_analysis(p: dict, ref: dict, targets: dict) -> list[str]:
         ["raw cold read of the same bytes (one file)", secs(p["l_raw_read"], 3)],
         ["forge_ckpt load, total", secs(p["l_total"], 3)],
         ["- trainer: verify DCP files (crc32c, cold read)", secs(p["l_verify"], 3)],
-        ["- trainer: TorchTitan `dcp_load` (page cache by then)", secs(p["l_dcp_load"], 3)],
+        [
+            "- trainer: `dcp.load` through forge_ckpt's reader (page cache by then)",
+            secs(p["l_dcp_load"], 3),
+        ],
         ["- slowest actor: read + crc32c (cold)", secs(p["l_actor_read"], 3)],
         ["- slowest actor: decode (zero-copy views)", secs(p["l_actor_decode"], 3)],
         ["TorchTitan `dcp_load` alone, trainer only, cold", secs(p["titan_load_s"], 3)],
