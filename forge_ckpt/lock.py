@@ -27,6 +27,7 @@ from .layout import LEASE
 from .storage import AlreadyExistsError, PreconditionFailedError, Storage
 
 log = logging.getLogger("forge_ckpt")
+_HELD: set[str] = set()  # owners of the leases this process holds right now
 
 
 def _proc_start(pid: int) -> str | None:
@@ -94,6 +95,7 @@ class Lease:
                     self.generation = gen
             except (AlreadyExistsError, PreconditionFailedError):
                 continue  # another job moved first: look again
+            _HELD.add(self._owner)
             self._start_renewals()
             return
         raise CheckpointLockedError(
@@ -143,7 +145,9 @@ class Lease:
                 raise CheckpointLockedError(self._lost) from None
 
     def release(self) -> None:
-        """Mark the lease released (the next job takes it at once); keeps the generation."""
+        """Mark the lease released (the next job takes it at once); keeps the generation.
+        If that write fails (a read-only disk), this process still knows the lease is free."""
+        _HELD.discard(self._owner)
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=5)
@@ -170,9 +174,12 @@ def _is_live(holder: dict[str, Any]) -> bool:
     if not holder or holder.get("released") or float(holder.get("expires", 0)) < time.time():
         return False
     if holder.get("host") == socket.gethostname() and holder.get("pid_start") is not None:
+        pid = int(holder["pid"])
+        if pid == os.getpid() and holder.get("pid_start") == _proc_start(pid):
+            return holder.get("owner") in _HELD  # this process knows which of its leases live
         # A holder on this machine whose process is gone (or whose pid was reused) is dead
         # now, not at its expiry: a restarted job takes over at once.
-        return _proc_start(int(holder["pid"])) == holder["pid_start"]
+        return _proc_start(pid) == holder["pid_start"]
     return True
 
 

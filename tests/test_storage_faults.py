@@ -301,7 +301,7 @@ async def test_read_only_folder(actors, disk):
     # The driver cannot even create the step folder: no component was asked to save.
     failed = failures(e.value, 2, 1)
     step2 = layout.step_dir(folder, 2)
-    assert failed == {"creating the step folder": f"OSError: {EROFS}: '{step2}'"}
+    assert failed == {"preparing the step": f"OSError: {EROFS}: '{step2}'"}
     assert layout.all_steps(folder) == [1]
     # Verify and load only read: both work on the read-only folder.
     await assert_previous_intact(coord, 2, 1, want1, big, trainer)
