@@ -241,8 +241,11 @@ class CheckpointCoordinator:
         failed: set[str] = getattr(error, "failed_units", set())
         units = [u for u in units if u.label not in failed]
         timeout = self.config.abort_timeout_s
-        calls = [asyncio.wait_for(u.abort_save(timeout), timeout + 5) for u in units]
-        results = await asyncio.gather(*calls, return_exceptions=True)
+
+        async def abort(u: Unit) -> None:  # the unit's call is made only once this runs
+            await asyncio.wait_for(u.abort_save(timeout), timeout + 5)
+
+        results = await asyncio.gather(*(abort(u) for u in units), return_exceptions=True)
         for u, r in zip(units, results, strict=True):
             if isinstance(r, BaseException) and not isinstance(r, asyncio.CancelledError):
                 log.debug("abort of %s: %s", u.label, r)
