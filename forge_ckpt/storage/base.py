@@ -141,10 +141,6 @@ def crc32c_of_bytes(data: Any) -> str:
     return f"{_crc32c.crc32c(memoryview(data).cast('B')):08x}"
 
 
-def crc_update(crc: int, data: Any) -> int:
-    return _crc32c.crc32c(data, crc)
-
-
 def check_record(
     where: str, size: int, crc: int | str, expected: FileRecord, got: FileRecord | None = None
 ) -> None:
@@ -189,13 +185,9 @@ def fault(op: str, allow_skip: bool = True) -> bool:
     return skip
 
 
-def _algo(rec: FileRecord) -> str | None:
-    return None if rec.digest is None else rec.digest.split(":", 1)[0]
-
-
 def expected_algo(rec: FileRecord) -> str | None:
     """The digest algorithm a record was written with (to recompute it on read)."""
-    return _algo(rec)
+    return None if rec.digest is None else rec.digest.split(":", 1)[0]
 
 
 class Writer(ABC):
@@ -284,7 +276,7 @@ class Storage(ABC):
         except FileNotFoundError:
             raise CheckpointCorruptError(self.where(path), "file is missing") from None
         if expected is not None:
-            c = checksums_of(buf, _algo(expected))
+            c = checksums_of(buf, expected_algo(expected))
             check_record(self.where(path), c.size, c.crc, expected, c.record(path))
         return buf
 
