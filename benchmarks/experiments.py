@@ -198,146 +198,27 @@ async def _attempt(b: Bench, what: str, fn: Callable[[], Awaitable[Any]]) -> Any
         return None
 
 
+async def run_trials(
+    b: Bench, what: str, methods: list, describe: Callable[[int, dict], str]
+) -> list[dict]:
+    """Every method once per trial, in a shuffled order; one log line per trial."""
+    trials = []
+    for trial in range(b.trials):
+        row: dict[str, Any] = {}
+        for name, fn in _order(methods, trial):
+            row[name] = await _attempt(b, f"{what} trial {trial} {name}", fn)
+        row["loadavg"] = os.getloadavg()[0]
+        trials.append(row)
+        log.info("%s trial %d: %s", what, trial, describe(trial, row))
+    return trials
+
+
 def _order(items: list, trial: int) -> list:
     """The methods in a different order every trial (seeded, so runs are repeatable): no
     method always follows the same one, whose deletions and writeback it could pay for."""
     out = list(items)
     random.Random(trial).shuffle(out)
     return out
-
-
-# ---- state sweep: trainer + 4 actors ------------------------------------------------------------
-
-
-async def state_point(b: Bench, total: int) -> dict[str, Any]:
-    """Everything at one total state size: raw disk, torch.save, TorchTitan alone (sync, async,
-    load), forge_ckpt trainer only, forge_ckpt trainer + actors (sync, async, cold load)."""
-    label = f"{total // MiB}MiB"
-    trainer_bytes = int(total * TRAINER_SHARE)
-    per_actor = (total - trainer_bytes) // SWEEP_ACTORS
-    t0 = time.perf_counter()
-    info = await b.trainer.setup.remote(trainer_bytes, b.device)
-    actor_bytes = await size_actors(b, SWEEP_ACTORS, per_actor)
-    actors = b.pool[:SWEEP_ACTORS]
-    everyone = [b.trainer, *actors]
-    full = coordinator(b, f"forge-full-{label}", trainer=True, actors=actors)
-    tonly = coordinator(b, f"forge-trainer-{label}", trainer=True, actors=[])
-    point: dict[str, Any] = {
-        "total_target": total,
-        "trainer": info,
-        "actor_bytes": actor_bytes,
-        "actors": SWEEP_ACTORS,
-        "trials": [],
-    }
-    log.info(
-        "state %s: trainer %.0f MiB (%d params, %d tensors), %d actors x %.0f MiB, setup %.1fs",
-        label,
-        info["tensor_bytes"] / MiB,
-        info["params"],
-        info["tensors"],
-        SWEEP_ACTORS,
-        per_actor / MiB,
-        time.perf_counter() - t0,
-    )
-    # Warm-up (not recorded): first-call costs (imports, process groups, the trainer's staging
-    # buffers, which both coordinators share: it is the same TrainerCheckpointer).
-    warm = await forge_save(b, full, everyone, "sync")
-    await forge_save(b, full, everyone, "async")
-    nbytes = warm["bytes"]
-    point["full_bytes"] = nbytes
-    raw_file = b.path(f"raw-{label}.bin")
-
-    async def raw() -> dict:
-        w = disk.python_write(raw_file, nbytes)
-        dd = disk.dd_write(raw_file + ".dd", nbytes)
-        disk.remove(raw_file + ".dd")
-        r = disk.cold_read(raw_file, b.cache)
-        disk.remove(raw_file)
-        out = {"write_s": w, "read_s": r, "bytes": nbytes}
-        if dd is not None:
-            out["dd_s"], out["dd_bytes"] = dd
-        return out
-
-    async def torch_save() -> dict:
-        path = b.path(f"torch-{label}.pt")
-        s = await b.trainer.torch_save.remote(path)
-        out = {"seconds": s, "bytes": disk.tree_bytes(path)}
-        disk.remove(path)
-        return out
-
-    async def titan_sync() -> dict:
-        path = b.path(f"titan-sync-{label}")
-        disk.settle()
-        r = await b.trainer.titan_save.remote(path, "sync")
-        r["bytes"] = disk.tree_bytes(path)
-        await b.trainer.phases.remote()
-        disk.drop_cache([path], b.cache)
-        r["load_s"] = await b.trainer.titan_load.remote(path)
-        disk.remove(path)
-        return r
-
-    async def titan_async() -> dict:
-        path = b.path(f"titan-async-{label}")
-        disk.settle()
-        r = await b.trainer.titan_save.remote(path, "async")
-        r["bytes"] = disk.tree_bytes(path)
-        disk.remove(path)
-        return r
-
-    async def forge_trainer() -> dict:
-        return await forge_save(b, tonly, [b.trainer], "sync")
-
-    async def forge_trainer_async() -> dict:
-        return await forge_save(b, tonly, [b.trainer], "async")
-
-    async def forge_full_sync() -> dict:
-        r = await forge_save(b, full, everyone, "sync", keep=True)
-        r["load"] = await forge_load(b, full, everyone, r["step"], verify=True)
-        r["load_noverify"] = await forge_load(b, full, everyone, r["step"], verify=False)
-        disk.remove(layout.step_dir(full.config.folder, r["step"]))
-        return r
-
-    async def forge_full_async() -> dict:
-        return await forge_save(b, full, everyone, "async")
-
-    methods = [
-        ("raw", raw),
-        ("torch_save", torch_save),
-        ("titan_sync", titan_sync),
-        ("titan_async", titan_async),
-        ("forge_trainer_sync", forge_trainer),
-        ("forge_trainer_async", forge_trainer_async),
-        ("forge_full_sync", forge_full_sync),
-        ("forge_full_async", forge_full_async),
-    ]
-    for trial in range(b.trials):
-        row: dict[str, Any] = {}
-        for name, fn in _order(methods, trial):
-            row[name] = await _attempt(b, f"{label} trial {trial} {name}", fn)
-        row["loadavg"] = os.getloadavg()[0]
-        point["trials"].append(row)
-        log.info("state %s trial %d: %s", label, trial, _summary(row, nbytes))
-    full.close()
-    tonly.close()
-    disk.remove(full.config.folder)
-    disk.remove(tonly.config.folder)
-    return point
-
-
-def _summary(row: dict, nbytes: int) -> str:
-    parts = []
-    raw = row.get("raw")
-    if raw:
-        parts.append(f"raw write {nbytes / raw['write_s'] / 1e6:.0f} MB/s")
-        parts.append(f"raw read {nbytes / raw['read_s'] / 1e6:.0f} MB/s")
-    for k in ("titan_sync", "forge_trainer_sync", "forge_full_sync", "forge_full_async"):
-        r = row.get(k)
-        if r:
-            parts.append(f"{k} {r['total_s']:.2f}s (blocked {r['blocked_s']:.2f}s)")
-    load = (row.get("forge_full_sync") or {}).get("load")
-    if load:
-        parts.append(f"load {load['seconds']:.2f}s")
-    return ", ".join(parts)
 
 
 # ---- actor scaling: same total bytes over 1..64 actors --------------------------------------------
@@ -376,21 +257,14 @@ async def actor_point(b: Bench, n: int, total: int) -> dict[str, Any]:
     async def background() -> dict:
         return await forge_save(b, coord, actors, "async")
 
-    methods = [("raw", raw), ("forge_sync", sync), ("forge_async", background)]
-    for trial in range(b.trials):
-        row = {}
-        for name, fn in _order(methods, trial):
-            row[name] = await _attempt(b, f"{n} actors trial {trial} {name}", fn)
-        row["loadavg"] = os.getloadavg()[0]
-        point["trials"].append(row)
+    def describe(trial: int, row: dict) -> str:
         s, a = row.get("forge_sync"), row.get("forge_async")
-        log.info(
-            "%d actors trial %d: sync %s, async blocked %s",
-            n,
-            trial,
-            f"{s['total_s']:.2f}s" if s else "failed",
-            f"{a['blocked_s']:.3f}s" if a else "failed",
+        return (f"sync {s['total_s']:.2f}s" if s else "sync failed") + (
+            f", async blocked {a['blocked_s']:.3f}s" if a else ", async failed"
         )
+
+    methods = [("raw", raw), ("forge_sync", sync), ("forge_async", background)]
+    point["trials"] = await run_trials(b, f"{n} actors", methods, describe)
     coord.close()
     disk.remove(coord.config.folder)
     return point
@@ -423,18 +297,18 @@ async def gpu_point(b: Bench, total: int) -> dict[str, Any]:
         ("forge_async", lambda: forge_save(b, coord, [b.trainer], "async")),
         ("forge_sync", lambda: forge_save(b, coord, [b.trainer], "sync")),
     ]
-    for trial in range(b.trials):
-        row: dict[str, Any] = {}
-        for name, fn in _order(methods, trial):
-            row[name] = await _attempt(b, f"gpu trial {trial} {name}", fn)
-        point["trials"].append(row)
-        log.info(
-            "gpu trial %d: forge async blocked %s, d2h copy %s, titan async blocked %s",
-            trial,
-            f"{row['forge_async']['blocked_s']:.3f}s" if row["forge_async"] else "failed",
-            f"{row['d2h_copy']:.3f}s" if row["d2h_copy"] is not None else "failed",
-            f"{row['titan_async']['blocked_s']:.3f}s" if row["titan_async"] else "failed",
+
+    def describe(trial: int, row: dict) -> str:
+        fa, d2h, ta = row["forge_async"], row["d2h_copy"], row["titan_async"]
+        return ", ".join(
+            [
+                f"forge async blocked {fa['blocked_s']:.3f}s" if fa else "forge async failed",
+                f"d2h copy {d2h:.3f}s" if d2h is not None else "d2h copy failed",
+                f"titan async blocked {ta['blocked_s']:.3f}s" if ta else "titan async failed",
+            ]
         )
+
+    point["trials"] = await run_trials(b, "gpu", methods, describe)
     coord.close()
     disk.remove(coord.config.folder)
     return point

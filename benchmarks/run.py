@@ -35,7 +35,7 @@ os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 import ray  # noqa: E402
 import torch  # noqa: E402
 
-from . import disk, experiments, report, storage_bench  # noqa: E402
+from . import disk, experiments, report, state_sweep, storage_bench  # noqa: E402
 from .timers import install_timers  # noqa: E402
 
 log = logging.getLogger("benchmarks")
@@ -193,7 +193,7 @@ async def run(args: argparse.Namespace, results: dict[str, Any]) -> None:
             b.errors.append(msg)
             continue
         t = time.perf_counter()
-        results["state"].append(await experiments.state_point(b, total))
+        results["state"].append(await state_sweep.state_point(b, total))
         results["state"][-1]["wall_s"] = time.perf_counter() - t
         _checkpoint(args, results, b)
 
