@@ -4,6 +4,7 @@ forge-ckpt list FOLDER          steps, committed or not, size, components; quara
 forge-ckpt inspect STEP_FOLDER  manifest, components, tensor shapes and dtypes
 forge-ckpt verify STEP_FOLDER   every file against its size and crc32c (exit 1 if any fails)
 forge-ckpt gc FOLDER            remove uncommitted steps (takes the folder's lease)
+forge-ckpt export STEP_FOLDER OUT --format safetensors   the model weights for HF tooling
 
 FOLDER is a local path or `s3://bucket/prefix` (endpoint and credentials from the AWS
 environment: AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ...); STEP_FOLDER is FOLDER/step-N.
@@ -12,7 +13,8 @@ environment: AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ...); STEP_FOLDER is FOLDER/st
 from __future__ import annotations
 
 import time
-from typing import Any
+from enum import Enum
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
@@ -194,6 +196,65 @@ def gc(folder: str) -> None:
     console.print(
         f"removed {len(removed)} uncommitted step(s): {removed}" if removed else "nothing to remove"
     )
+
+
+class ExportFormat(str, Enum):
+    safetensors = "safetensors"
+
+
+@app.command()
+def export(
+    step: Annotated[
+        str, typer.Argument(metavar="STEP", help="FOLDER/step-N; or N / latest with --folder")
+    ],
+    out: Annotated[
+        str, typer.Argument(metavar="OUT", help="output folder (local or s3://); empty")
+    ],
+    fmt: Annotated[ExportFormat, typer.Option("--format")] = ExportFormat.safetensors,
+    folder: Annotated[str | None, typer.Option(help="the checkpoint folder of STEP")] = None,
+    max_shard_size: Annotated[str, typer.Option(help="2GB, 500MB, 1GiB or bytes")] = "2GB",
+    dtype: Annotated[str | None, typer.Option(help="convert floats, e.g. bfloat16")] = None,
+    overwrite: Annotated[bool, typer.Option(help="replace an earlier export in OUT")] = False,
+) -> None:
+    """The trainer's model weights (no optimizer, LR or RNG) of a committed step, as sharded
+    safetensors with model.safetensors.index.json; exit 1 if the step or a file is bad."""
+    from .export import export_safetensors, parse_dtype, parse_size
+
+    del fmt  # the only format so far; naming it keeps command lines explicit and future-proof
+    try:
+        limit = parse_size(max_shard_size)
+        to = None if dtype is None else parse_dtype(dtype)
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
+    store, n = _export_source(step, folder)
+    try:
+        done = export_safetensors(
+            store, n, out, max_shard_size=limit, dtype=to, overwrite=overwrite,
+            signer=Signer.from_config(),
+        )  # fmt: skip
+    except CheckpointError as e:
+        console.print(f"[red]FAIL[/] {escape(str(e))}")
+        raise typer.Exit(1) from None
+    for name in done.files:
+        console.print(f"[green]wrote[/] {escape(name)}")
+    console.print(f"step {done.step}: {done.tensors} tensors, {_mb(done.total_size)} "
+                  f"in {len(done.files) - 1} shard(s) to {escape(out)}")  # fmt: skip
+
+
+def _export_source(step: str, folder: str | None) -> tuple[Storage, int]:
+    """STEP as a step folder, or as N / 'latest' of --folder."""
+    if folder is None:
+        return _step_of(step)
+    store = open_storage(folder)
+    if step == "latest":
+        steps = layout.committed_steps(store)
+        if not steps:
+            console.print(f"[red]FAIL[/] {escape(folder)} has no committed step")
+            raise typer.Exit(1)
+        return store, steps[-1]
+    if not step.isdigit():
+        raise typer.BadParameter(f"{step!r}: with --folder, STEP is a step number or 'latest'")
+    return store, int(step)
 
 
 def main() -> None:

@@ -148,3 +148,23 @@ def sample(
         if not alive.any():
             break
     return out, mask, logprobs
+
+
+def load_exported(path: str, model_cfg: dict) -> TinyTransformer:
+    """The policy from `forge-ckpt export ... --format safetensors PATH` (a local folder), so
+    a serving or eval process needs no checkpoint machinery; vocabulary and context length
+    come from the embeddings' shapes. Every key must match (strict)."""
+    import json
+    import os
+
+    from safetensors.torch import load_file
+
+    with open(os.path.join(path, "model.safetensors.index.json")) as f:
+        weight_map = json.load(f)["weight_map"]
+    state: dict[str, torch.Tensor] = {}
+    for shard in sorted(set(weight_map.values())):
+        state.update(load_file(os.path.join(path, shard)))
+    vocab_size, max_seq_len = state["tok.weight"].shape[0], state["pos.weight"].shape[0]
+    model = TinyTransformer(ModelArgs.from_config(model_cfg, vocab_size, max_seq_len))
+    model.load_state_dict(state, strict=True)
+    return model
