@@ -8,6 +8,7 @@ __version__ = "0.1.0"
 
 from typing import Any  # noqa: E402
 
+from . import reshard  # noqa: E402  (ready-made resharding rules)
 from .actor import Checkpointable  # noqa: E402
 from .config import CheckpointConfig  # noqa: E402
 from .coordinator import CheckpointCoordinator, LoadResult, SaveResult  # noqa: E402
@@ -21,6 +22,9 @@ from .errors import (  # noqa: E402
     InvalidNameError,
     NotSerializableError,
 )
+from .remote_errors import describe as describe_failure  # noqa: E402
+from .remote_errors import is_lost  # noqa: E402
+from .reshard import ReshardRule  # noqa: E402
 from .storage import StorageError  # noqa: E402
 
 __all__ = [
@@ -36,12 +40,16 @@ __all__ = [
     "InvalidNameError",
     "LoadResult",
     "NotSerializableError",
+    "ReshardRule",
     "SaveResult",
     "StorageError",
     "TrainerCheckpointer",
     "TrainerMixin",
     "committed_steps",
+    "describe_failure",
+    "is_lost",
     "pending_steps",
+    "reshard",
     "spawn_trainer_ranks",
 ]
 

@@ -12,7 +12,9 @@ opens the storage itself from the picklable spec it is handed (a local folder or
 Load is two-phase too:
 `forge_prepare_load` reads, verifies and decodes (and calls `validate_state_dict`), and only
 when every component has prepared does `forge_apply_load` change the actor, so a corrupt or
-mismatched checkpoint never leaves some actors restored and others not.
+mismatched checkpoint never leaves some actors restored and others not. A state resharded
+from another replica count (see reshard.py) arrives already decoded in `options["state"]` and
+goes through the same validation and two phases.
 
 The mixin's methods are synchronous on purpose: one `async def` method would turn the whole
 actor into an async actor whose calls interleave. Async actors register as plain actors
@@ -82,7 +84,9 @@ class Checkpointable:
 
     Optional hooks: `rng_generators()` names the generator objects the actor owns;
     `validate_state_dict(state)` refuses a checkpoint (raise `CheckpointMismatchError`) before
-    anything is loaded.
+    anything is loaded, or returns lines naming differences it accepts (the driver logs them);
+    a static method `reshard_states(states, replicas) -> list` declares how N saved replica
+    states become M (not defined here: its absence means "no rule").
     """
 
     _forge_write: BackgroundWrite | None  # the last save's write; unset before the first save
@@ -96,7 +100,7 @@ class Checkpointable:
     def rng_generators(self) -> dict[str, rng.Generator]:
         return {}
 
-    def validate_state_dict(self, state: Any) -> None:
+    def validate_state_dict(self, state: Any) -> list[str] | None:
         return None
 
     def forge_begin_save(self, where: StorageSpec, relpath: str, background: bool) -> dict:
@@ -125,12 +129,17 @@ class Checkpointable:
 
     def forge_prepare_load(
         self, where: StorageSpec, records: list[dict], verify: bool, options: dict
-    ) -> None:
-        (record,) = (FileRecord.from_dict(r) for r in records)
-        store = open_storage(where)
-        data = serialization.load_from(store, record.path, record if verify else None)
-        self.validate_state_dict(data["state"])
+    ) -> list[str]:
+        """Stage the state without applying it; returns the differences the actor accepts."""
+        if "state" in options:  # resharded by the driver from the saved replicas' files
+            data = options["state"]
+        else:
+            (record,) = (FileRecord.from_dict(r) for r in records)
+            store = open_storage(where)
+            data = serialization.load_from(store, record.path, record if verify else None)
+        notes = self.validate_state_dict(data["state"])
         self._forge_staged = data
+        return list(notes or [])
 
     def forge_apply_load(self) -> None:
         data = self._forge_staged

@@ -6,11 +6,17 @@ differs in and what each of its units must load; it never needs to know which is
 `RemoteUnit` forwards the calls to an actor that writes its own files (a `Checkpointable`
 actor or a trainer rank); `PlainUnit` adapts an actor that only has
 `state_dict`/`load_state_dict` by doing the file I/O in the driver.
+
+A group whose saved replica count differs from the registered one loads only through its
+resharding rule (see reshard.py and docs/elastic.md): the driver reads and verifies the N saved
+files, the rule turns the N user states into M, and each new replica receives its state through
+the same prepare/apply calls as any load.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import posixpath
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -18,10 +24,15 @@ from typing import Any
 
 from . import layout, serialization
 from .actor import wrap_state
-from .errors import CheckpointMismatchError
+from .errors import CheckpointCorruptError, CheckpointMismatchError
+from .remote_errors import describe, unwrap
+from .reshard import ReshardRule
 from .storage import FileRecord, StorageSpec, open_storage
 
+log = logging.getLogger("forge_ckpt")
 PROTOCOL_METHOD = "forge_begin_save"
+RESHARD_HOOK = "reshard_states"  # optional static method of an actor class
+STATE_OPTION = "state"  # prepare's option carrying a resharded state (no file to read)
 
 
 @dataclass
@@ -49,8 +60,9 @@ class Unit(ABC):
     @abstractmethod
     async def prepare(
         self, where: StorageSpec, records: list[FileRecord], verify: bool, options: dict
-    ) -> None:
-        """Read, verify and decode `records` without changing the actor yet."""
+    ) -> list[str]:
+        """Read, verify and decode `records` (or take `options["state"]`, already resharded)
+        without changing the actor yet; lines the actor accepted as differences, to log."""
 
     @abstractmethod
     async def apply(self) -> None:
@@ -88,9 +100,10 @@ class RemoteUnit(Unit):
 
     async def prepare(
         self, where: StorageSpec, records: list[FileRecord], verify: bool, options: dict
-    ) -> None:
+    ) -> list[str]:
         dicts = [r.to_dict() for r in records]
-        await self.handle.forge_prepare_load.remote(where, dicts, verify, options)
+        notes = await self.handle.forge_prepare_load.remote(where, dicts, verify, options)
+        return list(notes or [])
 
     async def apply(self) -> None:
         await self.handle.forge_apply_load.remote()
@@ -133,11 +146,15 @@ class PlainUnit(Unit):
 
     async def prepare(
         self, where: StorageSpec, records: list[FileRecord], verify: bool, options: dict
-    ) -> None:
+    ) -> list[str]:
+        if STATE_OPTION in options:
+            self._staged = options[STATE_OPTION]
+            return []
         (record,) = records
         store = open_storage(where)
         load = serialization.load_from
         self._staged = await asyncio.to_thread(load, store, record.path, record if verify else None)
+        return []
 
     async def apply(self) -> None:
         staged, self._staged = self._staged, None
@@ -152,24 +169,54 @@ LoadPlan = list[tuple[Unit, list[FileRecord], dict[str, Any]]]
 
 class Group:
     """An actor registered under one name, with its replicas (kept apart: replica i saves and
-    loads file i)."""
+    loads file i). Another replica count loads only through a resharding rule: `reshard`
+    given at registration, else the actor class's `reshard_states` run on new replica 0 (the
+    driver has no class object, only handles)."""
 
     kind = "actor"
     members = "replicas"
 
-    def __init__(self, name: str, units: list[Unit]) -> None:
+    def __init__(
+        self,
+        name: str,
+        units: list[Unit],
+        reshard: ReshardRule | None = None,
+        optional: bool = False,
+    ) -> None:
         self.name, self.units = name, units
+        self.reshard, self.optional = reshard, optional
+        self.hook = reshard is None and bool(units) and hasattr(units[0].handle, RESHARD_HOOK)
+
+    def rule_name(self) -> str | None:
+        """How this group reshards, for messages; None without a rule."""
+        if self.reshard is not None:
+            return getattr(self.reshard, "__qualname__", None) or repr(self.reshard)
+        if self.hook:
+            desc = getattr(self.units[0].handle, "_ray_actor_creation_function_descriptor", None)
+            return f"{getattr(desc, 'class_name', 'the actor class')}.{RESHARD_HOOK}"
+        return None
+
+    def changed(self, saved: layout.Component) -> str:
+        return (
+            f"{self.name}: {self.members} changed: checkpoint={saved.replicas}, "
+            f"current={len(self.units)}"
+        )
 
     def differences(self, saved: layout.Component) -> list[str]:
-        if saved.replicas != len(self.units):
-            return [
-                f"{self.name}: {self.members} changed: checkpoint={saved.replicas}, "
-                f"current={len(self.units)}"
-            ]
-        return []
+        if saved.replicas == len(self.units) or self.rule_name() is not None:
+            return []
+        return [
+            f"{self.changed(saved)}. No resharding rule: pass register({self.name!r}, actors, "
+            f"reshard=rule) or give the actor class a static method {RESHARD_HOOK}(states, "
+            "replicas); forge_ckpt.reshard has ready-made rules"
+        ]
 
-    def plan(self, saved: layout.Component, exclude: set[str]) -> LoadPlan:
+    async def plan(
+        self, saved: layout.Component, exclude: set[str], where: StorageSpec, verify: bool
+    ) -> LoadPlan:
         by_path = {f.path: f for f in saved.files}
+        if saved.replicas != len(self.units) and self.rule_name() is not None:
+            return await self._resharded(saved, by_path, where, verify)
         missing = [u for u in self.units if u.relpath not in by_path]
         if missing:
             raise CheckpointMismatchError(
@@ -177,9 +224,54 @@ class Group:
                     f"{self.name}: the checkpoint holds no file for replica(s) "
                     f"{[u.index for u in missing]} (it has {saved.replicas} replica(s))"
                 ],
-                "register as many replicas as were saved",
+                "register as many replicas as were saved, or declare a resharding rule",
             )
         return [(u, [by_path[u.relpath]], {}) for u in self.units]
+
+    async def _resharded(
+        self, saved: layout.Component, by_path: dict, where: StorageSpec, verify: bool
+    ) -> LoadPlan:
+        """Read and verify the N saved files, let the rule make M states; replica j keeps the
+        RNG streams of saved replica j mod N (the trainer ranks' rule)."""
+        n = saved.replicas
+        paths = [layout.actor_file(self.name, i) for i in range(n)]
+        for p in paths:
+            if p not in by_path:
+                raise CheckpointCorruptError(
+                    p, f"{self.name}'s replica file is not in the manifest"
+                )
+        store = open_storage(where)
+        load = serialization.load_from
+        saved_data = await asyncio.gather(
+            *(asyncio.to_thread(load, store, p, by_path[p] if verify else None) for p in paths)
+        )
+        states = await self._run_rule([d["state"] for d in saved_data], n)
+        log.warning("%s; resharded by %s", self.changed(saved), self.rule_name())
+        return [
+            (u, [], {STATE_OPTION: wrap_state(states[j], saved_data[j % n].get("rng"))})
+            for j, u in enumerate(self.units)
+        ]
+
+    async def _run_rule(self, states: list[Any], n: int) -> list[Any]:
+        m = len(self.units)
+        try:
+            if self.reshard is not None:
+                out = await asyncio.to_thread(self.reshard, states, m)
+            else:
+                out = await getattr(self.units[0].handle, RESHARD_HOOK).remote(states, m)
+            out = list(out)
+            if len(out) != m:
+                raise ValueError(f"it returned {len(out)} states for {m} replicas")
+        except Exception as e:
+            raise CheckpointMismatchError(
+                [
+                    f"{self.name}: resharding rule {self.rule_name()} failed "
+                    f"(checkpoint={n} {self.members}, current={m}): {describe(unwrap(e))}"
+                ],
+                f"fix the rule, or resume {self.name!r} with {n} {self.members}; nothing was "
+                "loaded",
+            ) from e
+        return out
 
 
 class TrainerGroup(Group):
@@ -195,7 +287,17 @@ class TrainerGroup(Group):
     def differences(self, saved: layout.Component) -> list[str]:
         return []  # any world size loads; see plan()
 
-    def plan(self, saved: layout.Component, exclude: set[str]) -> LoadPlan:
+    async def plan(
+        self, saved: layout.Component, exclude: set[str], where: StorageSpec, verify: bool
+    ) -> LoadPlan:
+        n = saved.replicas
+        if n != len(self.units):
+            log.warning(
+                "%s; DCP reshards the trainer state, rank r restores the RNG streams of saved "
+                "rank r mod %d",
+                self.changed(saved),
+                n,
+            )
         load_optimizer = "optimizer" not in exclude
         return [
             (
@@ -203,12 +305,61 @@ class TrainerGroup(Group):
                 saved.files,
                 {
                     "load_optimizer": load_optimizer,
-                    "rank_file": layout.trainer_rank_file(u.index % saved.replicas),
-                    "saved_rank": u.index % saved.replicas,
+                    "rank_file": layout.trainer_rank_file(u.index % n),
+                    "saved_rank": u.index % n,
                 },
             )
             for u in self.units
         ]
+
+
+def differences(
+    groups: dict[str, Group], manifest: layout.Manifest, exclude: set[str]
+) -> list[str]:
+    """Every way the registered components differ from the checkpoint's, each with its remedy."""
+    saved, step = manifest.components, manifest.step
+    diffs: list[str] = []
+    for name in sorted(set(saved) | set(groups)):
+        if name in exclude:
+            continue
+        if name not in groups:
+            diffs.append(
+                f"{name}: in the checkpoint (step {step}) but not registered; register it, or "
+                f"load(exclude=[{name!r}]) to leave it out"
+            )
+        elif name not in saved and not groups[name].optional:
+            keep = (
+                f"load(exclude=[{name!r}])"
+                if name == layout.TRAINER
+                else f"register({name!r}, ..., optional=True)"
+            )
+            diffs.append(
+                f"{name}: registered but not in the checkpoint (step {step}); {keep} keeps "
+                "its fresh state"
+            )
+        elif name in saved:
+            diffs += groups[name].differences(saved[name])
+    return diffs
+
+
+async def load_plan(
+    groups: dict[str, Group],
+    manifest: layout.Manifest,
+    exclude: set[str],
+    where: StorageSpec,
+    verify: bool,
+) -> LoadPlan:
+    """Which unit loads what; resharded states are made here, before any unit prepares."""
+    plan: LoadPlan = []
+    for name, group in groups.items():
+        if name in exclude:
+            continue
+        if name not in manifest.components:
+            if group.optional:
+                log.warning("%s: not in step %d; keeps its fresh state", name, manifest.step)
+            continue
+        plan += await group.plan(manifest.components[name], exclude, where, verify)
+    return plan
 
 
 def make_unit(name: str, index: int, handle: Any, relpath: str, label: str) -> Unit:
@@ -224,14 +375,14 @@ def make_unit(name: str, index: int, handle: Any, relpath: str, label: str) -> U
     return PlainUnit(name, index, handle, relpath, label)
 
 
-def actor_group(name: str, handles: list[Any]) -> Group:
-    return Group(
-        name,
-        [
-            make_unit(name, i, h, layout.actor_file(name, i), f"actor {name!r} replica {i}")
-            for i, h in enumerate(handles)
-        ],
-    )
+def actor_group(
+    name: str, handles: list[Any], reshard: ReshardRule | None = None, optional: bool = False
+) -> Group:
+    units = [
+        make_unit(name, i, h, layout.actor_file(name, i), f"actor {name!r} replica {i}")
+        for i, h in enumerate(handles)
+    ]
+    return Group(name, units, reshard, optional)
 
 
 def trainer_group(handles: list[Any]) -> TrainerGroup:

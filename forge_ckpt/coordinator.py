@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 
-from . import __version__, commit, layout
-from .components import Group, LoadPlan, Unit, actor_group, trainer_group
+from . import __version__, commit, components, layout
+from .components import Group, Unit, actor_group, trainer_group
 from .config import CheckpointConfig
 from .errors import (
     CheckpointCorruptError,
@@ -34,6 +34,7 @@ from .errors import (
 )
 from .lock import Lease
 from .remote_errors import describe, failure_error, save_error
+from .reshard import ReshardRule
 from .storage import FileRecord, open_storage
 
 log = logging.getLogger("forge_ckpt")
@@ -95,10 +96,21 @@ class CheckpointCoordinator:
         ranks = list(trainer) if isinstance(trainer, (list, tuple)) else [trainer]
         self._groups[layout.TRAINER] = trainer_group(ranks)
 
-    def register(self, name: str, actor: Any | Sequence[Any], replace: bool = False) -> None:
+    def register(
+        self,
+        name: str,
+        actor: Any | Sequence[Any],
+        replace: bool = False,
+        *,
+        reshard: ReshardRule | None = None,
+        optional: bool = False,
+    ) -> None:
         """An actor with state_dict/load_state_dict; a list registers replicas (kept apart).
 
-        `replace=True` swaps in a restarted actor under a name already registered."""
+        `replace=True` swaps in a restarted actor under a name already registered. `reshard`
+        turns N saved replica states into as many as registered now (else the actor class's
+        `reshard_states`, if any; see forge_ckpt.reshard); `optional=True` lets a checkpoint
+        without this component load, the actor keeping its fresh state."""
         layout.check_name(name)
         if name in self._groups and not replace:
             raise ValueError(
@@ -108,7 +120,7 @@ class CheckpointCoordinator:
         handles = list(actor) if isinstance(actor, (list, tuple)) else [actor]
         if not handles:
             raise ValueError(f"register({name!r}, []) needs at least one actor")
-        self._groups[name] = actor_group(name, handles)
+        self._groups[name] = actor_group(name, handles, reshard, optional)
 
     def _units(self) -> list[Unit]:
         return [u for g in self._groups.values() for u in g.units]
@@ -208,7 +220,11 @@ class CheckpointCoordinator:
                 raise save_error(
                     self._newest(),
                     result.step,
-                    [f"{x}: still writing after {self.config.save_timeout_s:.0f}s" for x in late],
+                    [
+                        f"{x}: still writing after {self.config.save_timeout_s:.0f}s "
+                        "(CheckpointConfig.save_timeout_s)"
+                        for x in late
+                    ],
                 )
             if len(records) < len(units):
                 await asyncio.sleep(delay)
@@ -324,18 +340,18 @@ class CheckpointCoordinator:
         where = self.config.storage.child(layout.step_name(step))
         manifest = await asyncio.to_thread(layout.read_committed, self.store, step, self._signer)
         self._check_matches(manifest, exclude, allow_mismatch)
-        plan: LoadPlan = []
-        for name, group in self._groups.items():
-            if name not in exclude and name in manifest.components:
-                plan += group.plan(manifest.components[name], exclude)
         verify = self.config.verify_on_load
+        plan = await components.load_plan(self._groups, manifest, exclude, where, verify)
         units = [p[0] for p in plan]
         calls = [u.prepare(where, recs, verify, opts) for u, recs, opts in plan]
         try:
-            await self._all(units, None, step, "load", calls=calls)
+            notes = await self._all(units, None, step, "load", calls=calls)
         except BaseException:
             await asyncio.gather(*(u.abort() for u in units), return_exceptions=True)
             raise
+        accepted = (f"{u.name}: {n}" for u, ns in zip(units, notes, strict=True) for n in ns)
+        for line in dict.fromkeys(accepted):  # once per component, not per replica
+            log.warning("loading despite a difference the component accepts: %s", line)
         await self._all(units, lambda u: u.apply(), step, "load")
         log.info("loaded step %d from %s", step, where.url)
         return LoadResult(step, manifest.extra, where.url, manifest)
@@ -349,16 +365,7 @@ class CheckpointCoordinator:
                 f"run fingerprint changed: checkpoint={manifest.fingerprint}, current={fp}"
                 " (the folder holds another run's checkpoints)"
             )
-        saved = manifest.components
-        for name in sorted(set(saved) | set(self._groups)):
-            if name in exclude:
-                continue
-            if name not in self._groups:
-                diffs.append(f"{name}: in the checkpoint (step {manifest.step}) but not registered")
-            elif name not in saved:
-                diffs.append(f"{name}: registered but not in the checkpoint (step {manifest.step})")
-            else:
-                diffs += self._groups[name].differences(saved[name])
+        diffs += components.differences(self._groups, manifest, exclude)
         if diffs and not allow:
             raise CheckpointMismatchError(diffs)
         for d in diffs:
@@ -376,7 +383,8 @@ class CheckpointCoordinator:
     ) -> list:
         """Run one call per unit at once (trainer ranks' calls are collectives: never in
         sequence); any failure becomes one error naming every failed unit."""
-        timeout = self.config.load_timeout_s if phase == "load" else self.config.save_timeout_s
+        knob = "load_timeout_s" if phase == "load" else "save_timeout_s"
+        timeout = getattr(self.config, knob)
         aws = calls if calls is not None else [call(u) for u in units]  # type: ignore[misc]
         tasks = [asyncio.ensure_future(a) for a in aws]
         done, pending = await asyncio.wait(tasks, timeout=timeout) if tasks else (set(), set())
@@ -385,7 +393,8 @@ class CheckpointCoordinator:
         failures: list[tuple[str, BaseException]] = []
         for u, t in zip(units, tasks, strict=True):
             if t in pending:
-                failures.append((u.label, TimeoutError(f"no answer within {timeout:.0f}s")))
+                late = f"no answer within {timeout:.0f}s (CheckpointConfig.{knob})"
+                failures.append((u.label, TimeoutError(late)))
             elif t.exception() is not None:
                 failures.append((u.label, t.exception()))  # type: ignore[arg-type]
         if failures:

@@ -2,7 +2,9 @@
 
 The message has one line per failed unit, what to do, and which step is still the newest;
 the full remote tracebacks are logged and kept on the error (`__cause__` is the first unit's
-exception, `details` maps each unit to its whole traceback text), so nothing is lost.
+exception, `details` maps each unit to its whole traceback text), so nothing is lost. A unit
+whose actor, worker or node is gone reads as such ("lost (its node died: ...)"), and the error's
+`lost` lists those units: a supervisor (apps/grpo/supervisor.py) recreates them and resumes.
 """
 
 from __future__ import annotations
@@ -22,13 +24,68 @@ def unwrap(e: BaseException) -> BaseException:
 
 
 def describe(e: BaseException) -> str:
-    """One line: the exception type and the last line of its message."""
+    """One line: what happened to the unit (a lost actor or node in plain words), else the
+    exception type and the last line of its message."""
     import ray.exceptions as rex
 
+    if isinstance(e, rex.ActorUnavailableError):
+        return (
+            "unreachable (ActorUnavailableError: its node may be overloaded or restarting); "
+            "the call may or may not have run"
+        )
     if isinstance(e, rex.RayActorError):
-        return "the actor died (RayActorError); restart it and register it again"
+        return _actor_death(e)
+    if isinstance(e, (rex.NodeDiedError, rex.LocalRayletDiedError)):
+        return f"lost (its node died: {_reason(str(e))})"
+    if isinstance(e, rex.ObjectLostError):
+        return f"lost (an object it needed was lost: {type(e).__name__}, its owner or node died)"
     text = str(e).strip().splitlines()
     return f"{type(e).__name__}: {text[-1] if text else ''}"
+
+
+_FIELDS = ("class_name:", "actor_id:", "pid:", "name:", "namespace:", "ip:")
+
+
+def _reason(text: str) -> str:
+    """Ray's death text without its header and its `key: value` fields, on one line."""
+    lines = [ln.strip() for ln in text.strip().splitlines()]
+    kept = [
+        ln
+        for ln in lines[1:] or lines
+        if ln and not ln.startswith(_FIELDS) and "died unexpectedly before finishing" not in ln
+    ]
+    return "; ".join(kept) or "no reason given by Ray"
+
+
+def _actor_death(e: BaseException) -> str:
+    """A RayActorError as one line: node loss, a crash in `__init__`, or the actor's death."""
+    text = str(e)
+    if getattr(e, "actor_init_failed", False):
+        last = text.strip().splitlines()[-1] if text.strip() else ""
+        return f"the actor died in its constructor ({last}); fix it and register it again"
+    reason = _reason(text)
+    if "node has died" in text or getattr(e, "preempted", False):
+        reason = reason.replace("The actor died because its node has died. ", "")
+        return (
+            f"lost (its node died: {reason}); recreate the actor on a live node and "
+            "register it again (replace=True)"
+        )
+    return f"the actor died ({reason}); restart it and register it again (replace=True)"
+
+
+def is_lost(e: BaseException) -> bool:
+    """True when a unit failed because its actor, worker or node is gone (not a bug in it):
+    the job can recreate the actor and carry on from the newest committed step."""
+    import ray.exceptions as rex
+
+    lost: tuple[type[BaseException], ...] = (
+        rex.RayActorError,
+        rex.NodeDiedError,
+        rex.LocalRayletDiedError,
+        rex.ObjectLostError,
+        rex.WorkerCrashedError,
+    )
+    return isinstance(unwrap(e), lost) or isinstance(e, lost)
 
 
 def full_text(e: BaseException) -> str:
@@ -59,11 +116,13 @@ def failure_error(
     for label, text in details.items():
         log.error("%s failed during %s of step %d:\n%s", label, phase, step, text)
     causes = [(label, unwrap(e)) for label, e in failures]
+    lost = [label for label, e in failures if is_lost(e)]
     if phase == "load":
         # forge_ckpt's own errors (corrupt file, mismatch) are raised as they are.
         own = next((c for _, c in causes if isinstance(c, CheckpointError)), None)
         if own is not None:
             own.details = details  # type: ignore[attr-defined]
+            own.lost = lost  # type: ignore[attr-defined]
             return own
         lines = [f"{label}: {describe(c)}" for label, c in causes]
         err: Exception = CheckpointError(
@@ -72,5 +131,6 @@ def failure_error(
     else:
         err = save_error(newest, step, [f"{label}: {describe(c)}" for label, c in causes])
     err.details = details  # type: ignore[attr-defined]
+    err.lost = lost  # type: ignore[attr-defined]  # the units whose actor or node is gone
     err.__cause__ = failures[0][1]
     return err
