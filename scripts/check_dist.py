@@ -31,7 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = "forge_ckpt"
 # Dependencies that only an extra may pull: a plain install must not.
-EXTRA_ONLY = {"torchdata", "boto3", "matplotlib", "obstore", "pytest", "mypy"}
+EXTRA_ONLY = {"boto3", "matplotlib", "obstore", "pytest", "mypy"}
 
 
 class Checks:

@@ -20,12 +20,12 @@ from typing import Any
 import yaml
 
 # Keys that may change on resume without changing what the run computes up to the resumed step.
-# `dataset.num_workers` is left out of the fingerprint on purpose: the data order is decided by
-# the sampler in the actor's own process, and the dataset actor itself refuses a checkpoint taken
-# with another worker count, with a message that names it (see DatasetActor.validate_state_dict).
-# `trainer.world_size` may change too: the trainer's shards are resharded on load. The gradient
-# sum is then taken over another number of slices, so the floats after the resume can differ in
-# the last bits from a run that never changed it.
+# The shape keys may change too (docs/elastic.md): `dataset.num_workers` (the dataset records
+# what it served by index, so workers hold nothing; the change is logged), `dataset.replicas`
+# (the dataset's reshard_states merges what the replicas served and deals out the rest of the
+# epoch: every prompt still once per epoch, in another order within the epoch) and
+# `trainer.world_size` (the trainer's shards are resharded on load; the gradient sum is then
+# taken over another number of slices, so later floats can differ in the last bits).
 RESUMABLE_KEYS = frozenset(
     {
         "run_dir",
@@ -34,12 +34,16 @@ RESUMABLE_KEYS = frozenset(
         "progress",
         "ray.num_cpus",
         "ray.address",
+        "ray.placement",
+        "recovery.max_restarts",
+        "recovery.wait_s",
         "checkpoint.folder",
         "checkpoint.interval",
         "checkpoint.keep_last",
         "checkpoint.async_mode",
         "checkpoint.sigterm_grace_s",
         "dataset.num_workers",
+        "dataset.replicas",
         "trainer.world_size",
     }
 )
