@@ -114,7 +114,8 @@ def check_resumed(job: chaos.Job, kill: chaos.Kill) -> None:
 def check_every_prompt_once_per_epoch(metrics: str, size: int = 24, batch: int = 4) -> None:
     """Across the resumes no prompt was skipped or repeated: each epoch is a permutation."""
     with open(metrics) as f:
-        served = [i for line in f for i in json.loads(line)["rollout_prompt_ids"]]
+        records = [r for r in map(json.loads, f) if "event" not in r]
+    served = [i for r in records for i in r["rollout_prompt_ids"]]
     per_epoch = size // batch * batch
     for start in range(0, len(served) - per_epoch + 1, per_epoch):
         assert sorted(served[start : start + per_epoch]) == list(range(size))

@@ -30,6 +30,7 @@ import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 from forge_ckpt import committed_steps, pending_steps
 
@@ -73,12 +74,36 @@ class Job:
         return int(m.group(2)) if m.group(2) else 0
 
 
+CHAOS_KILL = "GRPO_CHAOS_KILL"
+_killed: set[str] = set()
+
+
+def chaos_hook(job: Any, step: int) -> None:
+    """Tests of the job's supervision: `GRPO_CHAOS_KILL=replay@5` (or dataset, policy, reward,
+    trainer) makes the driver `ray.kill` that actor right after step 5 trained, once per
+    process: the next call to it fails as if it had crashed, and the job must recover."""
+    spec = os.environ.get(CHAOS_KILL)
+    if not spec or spec in _killed:
+        return
+    name, _, at = spec.partition("@")
+    if int(at) != step:
+        return
+    import ray
+
+    _killed.add(spec)
+    handle = job.ranks[0] if name == "trainer" else getattr(job, name)
+    print(f"chaos: killing {name} after step {step}", flush=True)
+    ray.kill(handle, no_restart=True)
+
+
 def metrics_lines(run_dir: str) -> int:
+    """The step lines of metrics.jsonl (event lines are not steps)."""
     try:
         with open(os.path.join(run_dir, METRICS), "rb") as f:
-            return f.read().count(b"\n")
+            lines = f.read().split(b"\n")[:-1]
     except FileNotFoundError:
         return 0
+    return sum(1 for line in lines if not line.startswith(b'{"event"'))
 
 
 def saving(folder: str) -> bool:

@@ -42,10 +42,12 @@ from forge_ckpt import (  # noqa: E402
     CheckpointMismatchError,
 )
 
+from .chaos import chaos_hook  # noqa: E402
 from .config import ConfigError, fingerprint, load_config  # noqa: E402
 from .metrics import MetricsLog  # noqa: E402
 from .progress import Progress, summary  # noqa: E402
 from .rl import group_advantages  # noqa: E402
+from .supervisor import RecoveryError, Supervisor, placement  # noqa: E402
 
 CHECKPOINTS, METRICS, FINAL_WEIGHTS = "checkpoints", "metrics.jsonl", "final_weights.safetensors"
 
@@ -96,11 +98,14 @@ class Job:
         from .trainer import Trainer
 
         seed, task, model = int(cfg["seed"]), cfg["task"], cfg["model"]
-        opts = {"num_cpus": 0}
-        batch = int(cfg["dataset"]["batch_size"])
-        self.dataset = (
-            ray.remote(DatasetActor).options(**opts).remote(seed, task, cfg["dataset"], batch)
-        )
+        opts = {"num_cpus": 0, **placement(cfg)}  # ray.placement: spread over the nodes
+        batch, replicas = int(cfg["dataset"]["batch_size"]), int(cfg["dataset"]["replicas"])
+        dataset_cls = ray.remote(DatasetActor).options(**opts)
+        self.datasets = [  # one component; each replica serves batch/replicas prompts a step
+            dataset_cls.remote(seed, task, cfg["dataset"], batch, k, replicas)
+            for k in range(replicas)
+        ]
+        self.dataset = self.datasets[0]
         self.policy = ray.remote(Policy).options(**opts).remote(seed, task, model, cfg["policy"])
         self.reward = ray.remote(RewardActor).options(**opts).remote(seed)
         self.replay = ray.remote(ReplayBuffer).options(**opts).remote(seed, cfg["replay"], task)
@@ -115,12 +120,12 @@ class Job:
         )
         ray.get([r.setup.remote() for r in self.ranks])
 
-    def register(self, coord: CheckpointCoordinator) -> None:
+    def register(self, coord: CheckpointCoordinator, replace: bool = False) -> None:
         coord.set_trainer(self.ranks)
-        coord.register("dataset", self.dataset)
-        coord.register("policy", self.policy)
-        coord.register("reward", self.reward)
-        coord.register("replay", self.replay)
+        coord.register("dataset", self.datasets, replace=replace)  # DatasetActor.reshard_states
+        coord.register("policy", self.policy, replace=replace)
+        coord.register("reward", self.reward, replace=replace)
+        coord.register("replay", self.replay, replace=replace)
 
     async def push_weights(self) -> int:
         """Send rank 0's weights and version to the policy (the ref never visits the driver)."""
@@ -137,7 +142,10 @@ class Rollouts:
         self.inflight: ray.ObjectRef | None = None
 
     def launch(self) -> None:
-        self.inflight = self.job.policy.generate.remote(self.job.dataset.next_batch.remote())
+        batch = None  # the replicas' parts in replica order, chained so no call waits here
+        for dataset in self.job.datasets:
+            batch = dataset.next_batch.remote(batch)
+        self.inflight = self.job.policy.generate.remote(batch)
 
     async def drain(self) -> None:
         """Await the in-flight generation; its rollout then sits in the Policy's state."""
@@ -224,20 +232,19 @@ async def run(cfg: dict[str, Any]) -> int:
     grace = float(cfg["checkpoint"]["sigterm_grace_s"])
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, on_sigterm, stop, grace, cfg)
     coord = make_coordinator(cfg)
+    log = MetricsLog(os.path.join(cfg["run_dir"], METRICS))
+    sup = Supervisor(cfg, coord, lambda: Job(cfg), log)
     t0 = time.perf_counter()
     try:
-        job = Job(cfg)
-        job.register(coord)
-        loaded = await coord.load()  # restores every actor and the trainer, or None
-        start = loaded.step if loaded else 0
-        log = MetricsLog(os.path.join(cfg["run_dir"], METRICS))
-        log.truncate_after(start)
-        await job.push_weights()  # restored (or initial) weights before any rollout
-        ready = time.perf_counter() - t0
-        progress = Progress(start, int(cfg["steps"]), resumed=loaded is not None, ready_s=ready)
-        with progress:
-            step = await train_loop(job, coord, log, progress, cfg, start, stop)
-        await coord.aclose()  # flushes a background save and releases the folder's lease
+        job = await sup.start()
+        while True:  # once, unless an actor or node is lost: then the supervisor rebuilds
+            try:
+                start, step = await resume_and_train(job, coord, log, sup, cfg, stop, t0)
+                break
+            except Exception as e:
+                t0 = time.perf_counter()  # "actors ready in" then counts the whole recovery
+                job = await sup.recover(job, e, log.last_step + 1)
+        await coord.aclose()  # releases the folder's lease (the last save was flushed)
         if stop.is_set() and step < int(cfg["steps"]):
             done = f"committed step {step}" if step > start else "no step ran, nothing saved"
             print(f"SIGTERM: {done}; run the same command again to continue")
@@ -247,6 +254,29 @@ async def run(cfg: dict[str, Any]) -> int:
         return 0
     finally:
         coord.close()
+
+
+async def resume_and_train(
+    job: Job,
+    coord: CheckpointCoordinator,
+    log: MetricsLog,
+    sup: Supervisor,
+    cfg: dict[str, Any],
+    stop: asyncio.Event,
+    t0: float,
+) -> tuple[int, int]:
+    """Load the newest committed step (if any) and train to the end; (resumed step, last)."""
+    loaded = await coord.load()  # restores every actor and the trainer, or None
+    start = loaded.step if loaded else 0
+    log.truncate_after(start)
+    sup.resumed(start)
+    await job.push_weights()  # restored (or initial) weights before any rollout
+    ready = time.perf_counter() - t0
+    progress = Progress(start, int(cfg["steps"]), resumed=loaded is not None, ready_s=ready)
+    with progress:
+        step = await train_loop(job, coord, log, progress, cfg, start, stop)
+    await coord.wait()  # a background save's failure is raised here, inside supervision
+    return start, step
 
 
 def on_sigterm(stop: asyncio.Event, grace_s: float, cfg: dict[str, Any]) -> None:
@@ -288,6 +318,7 @@ async def train_loop(
         step += 1
         record = await train_step(job, rollouts, cfg, step)
         log.append(record)
+        chaos_hook(job, step)  # tests: GRPO_CHAOS_KILL=name@step kills an actor once
         progress.update(record)
         if step % interval == 0 or step == steps or stop.is_set():
             await rollouts.drain()  # the consistent cut: nothing of this step is in flight
@@ -320,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {cfg['run_dir']} cannot be resumed by this config.\n{e}", file=sys.stderr)
         print("(use another run_dir, or fresh=true to start this one over)", file=sys.stderr)
         return 2
-    except CheckpointError as e:
+    except (CheckpointError, RecoveryError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     finally:

@@ -1,9 +1,13 @@
-"""metrics.jsonl: one JSON line per trained step, rewritten exactly on resume.
+"""metrics.jsonl: one JSON line per trained step, rewritten exactly on resume, and one line per
+event that is not a step (a recovery after an actor or node was lost: `{"event": "recovery",
+...}`, apps/grpo/supervisor.py).
 
 A crash can leave lines for steps after the newest checkpoint (and half a line). On resume from
-step K the file is cut to its lines for steps <= K; the resumed run then writes K+1, ... again,
-so the finished file is byte-for-byte the one an uninterrupted run writes. Floats are written by
-`json` with `repr` precision, so equal files mean bit-equal numbers.
+step K the file is cut before its first line for a step after K; the resumed run then writes
+K+1, ... again, so the step lines of the finished file are byte-for-byte the ones an
+uninterrupted run writes (a run without recoveries writes the very same file). Event lines
+before the cut stay: a recovery happened even if its steps are computed again. Floats are
+written by `json` with `repr` precision, so equal lines mean bit-equal numbers.
 """
 
 from __future__ import annotations
@@ -16,12 +20,14 @@ from typing import Any
 class MetricsLog:
     def __init__(self, path: str) -> None:
         self.path = path
+        self.last_step = 0  # the step of the last line appended (or kept on resume)
 
     def truncate_after(self, step: int) -> int:
         """Keep the leading lines for steps 1..`step`; returns how many were kept."""
         if not os.path.exists(self.path):
             if step > 0:
                 print(f"warning: {self.path} is missing; lines for steps <= {step} are lost")
+            self.last_step = step
             return 0
         kept, offset = 0, 0
         with open(self.path, "rb") as f:
@@ -30,20 +36,32 @@ class MetricsLog:
                     record = json.loads(line)
                 except ValueError:
                     break  # a line cut by a crash
-                if not line.endswith(b"\n") or record.get("step") != kept + 1 or kept >= step:
+                if not line.endswith(b"\n"):
                     break
-                kept += 1
+                if "event" not in record:
+                    if record.get("step") != kept + 1 or kept >= step:
+                        break
+                    kept += 1
                 offset += len(line)
         with open(self.path, "r+b") as f:
             f.truncate(offset)
             os.fsync(f.fileno())
         if kept < step:
             print(f"warning: {self.path} holds lines for steps 1..{kept} only (resuming at {step})")
+        self.last_step = step
         return kept
 
     def append(self, record: dict[str, Any]) -> None:
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
+        self.last_step = int(record["step"])
+
+    def append_event(self, event: dict[str, Any]) -> None:
+        """A line that is not a step (rare: written and fsynced at once)."""
+        with open(self.path, "a") as f:
+            f.write(json.dumps(event, sort_keys=True) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
 
     def sync(self) -> None:
         """Make the lines so far durable (before a checkpoint that counts them is committed)."""
@@ -52,7 +70,14 @@ class MetricsLog:
                 os.fsync(f.fileno())
 
     def read(self) -> list[dict[str, Any]]:
+        """Every line: step records and events (`split` tells them apart)."""
         if not os.path.exists(self.path):
             return []
         with open(self.path) as f:
             return [json.loads(line) for line in f if line.strip()]
+
+
+def split(records: list[dict[str, Any]]) -> tuple[list[dict], list[dict]]:
+    """(step records, event records) of a metrics file."""
+    events = [r for r in records if "event" in r]
+    return [r for r in records if "event" not in r], events

@@ -17,7 +17,7 @@ def main(argv: list[str] | None = None) -> int:
     import matplotlib.pyplot as plt
 
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        records = [json.loads(line) for line in f]
+        records = [r for r in map(json.loads, f) if "event" not in r]
     steps = [r["step"] for r in records]
     window = 10
 

@@ -9,6 +9,8 @@ from typing import Any
 from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
 from rich.progress import Progress as RichProgress
 
+from .metrics import split
+
 PLAIN_EVERY = 10
 
 
@@ -49,10 +51,25 @@ class Progress:
             self._bar.stop()
 
 
-def summary(records: list[dict[str, Any]], run_dir: str, window: int = 10) -> str:
-    """Mean reward of the first and last `window` steps, from the whole metrics file."""
+def summary(
+    records: list[dict[str, Any]],
+    run_dir: str,
+    window: int = 10,
+) -> str:
+    """Mean reward of the first and last `window` steps, from the whole metrics file, and the
+    recoveries from lost actors or nodes (its event lines), so that none goes unnoticed."""
+    records, events = split(records)
     if not records:
         return f"no steps recorded in {run_dir}"
+    recoveries = [e for e in events if e.get("event") == "recovery"]
+    rec = f"\n  recoveries: {len(recoveries)}"
+    if recoveries:
+        told = [
+            f"lost {', '.join(e['lost'])} at step {e['failed_step']}, resumed from "
+            f"{e['resumed_step']} in {e['recovery_s']:.1f}s"
+            for e in recoveries
+        ]
+        rec += f" ({'; '.join(told)}; see the event lines of metrics.jsonl)"
     first, last = records[:window], records[-window:]
 
     def mean(rs: list[dict], key: str) -> float:
@@ -63,5 +80,5 @@ def summary(records: list[dict[str, Any]], run_dir: str, window: int = 10) -> st
         f"  mean reward  steps 1-{len(first)}: {mean(first, 'reward_mean'):.3f}   "
         f"last {len(last)}: {mean(last, 'reward_mean'):.3f}\n"
         f"  exact answers steps 1-{len(first)}: {mean(first, 'exact_frac'):.2f}   "
-        f"last {len(last)}: {mean(last, 'exact_frac'):.2f}"
+        f"last {len(last)}: {mean(last, 'exact_frac'):.2f}" + rec
     )

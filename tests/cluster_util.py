@@ -1,0 +1,226 @@
+"""A 3-node Ray cluster on this machine for the multi-node tests (`tests/test_cluster.py`).
+
+`ray.cluster_utils.Cluster` starts a head and two workers, each with its own raylet and object
+store. Each node has a custom resource naming it ({"head": 1}, {"node_a": 1}, {"node_b": 1}) so
+that a test pins an actor with `options(resources={"node_a": 0.01})`, and its own private
+scratch folder (`NODE_SCRATCH` in the raylet's environment, inherited by its workers). No folder
+is shared: checkpoints go to the test S3 server, whose `AWS_*` settings every node gets, as a
+real cluster would set them on every machine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # _trainer_model
+
+import numpy as np  # noqa: E402
+import ray  # noqa: E402
+from ray.cluster_utils import Cluster  # noqa: E402
+
+from forge_ckpt import (  # noqa: E402
+    Checkpointable,
+    CheckpointConfig,
+    CheckpointCoordinator,
+    spawn_trainer_ranks,
+)
+
+WORKERS = ("node_a", "node_b")
+# Fast node-death detection: a removed raylet says goodbye, a crashed one is found by these.
+SYSTEM_CONFIG = {"health_check_period_ms": 500, "health_check_failure_threshold": 4}
+NODE_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "OMP_NUM_THREADS": "1"}
+
+
+@dataclass
+class Nodes:
+    """The cluster and its worker nodes by name (a removed worker is absent until re-added)."""
+
+    cluster: Cluster
+    scratch: str
+    env: dict[str, str]
+    workers: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def address(self) -> str:
+        return str(self.cluster.address)
+
+    def add(self, name: str) -> None:
+        """Start worker `name` (again): a new raylet with the same resource and scratch."""
+        scratch = os.path.join(self.scratch, name)
+        os.makedirs(scratch, exist_ok=True)
+        self.workers[name] = self.cluster.add_node(
+            num_cpus=1,
+            resources={name: 1},
+            object_store_memory=80 * 1024**2,
+            env_vars={**self.env, "NODE_SCRATCH": scratch},
+        )
+
+    def remove(self, name: str) -> None:
+        """Kill node `name`'s raylet and every worker process on it."""
+        self.cluster.remove_node(self.workers.pop(name))
+
+    def restore(self) -> None:
+        """Bring back every worker removed by a test, so the next one finds three nodes."""
+        for name in WORKERS:
+            if name not in self.workers:
+                self.add(name)
+        self.cluster.wait_for_nodes()
+
+
+def start_cluster(scratch: str, env: dict[str, str]) -> Nodes:
+    """Head (the pytest driver's node) + node_a + node_b, all on 127.0.0.1."""
+    env = {**NODE_ENV, **env}
+    os.makedirs(os.path.join(scratch, "head"), exist_ok=True)
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={
+            "num_cpus": 2,
+            "resources": {"head": 1},
+            "object_store_memory": 100 * 1024**2,
+            "include_dashboard": False,
+            "env_vars": {**env, "NODE_SCRATCH": os.path.join(scratch, "head")},
+            "_system_config": SYSTEM_CONFIG,
+        },
+    )
+    nodes = Nodes(cluster, scratch, env)
+    for name in WORKERS:
+        nodes.add(name)
+    cluster.wait_for_nodes()
+    return nodes
+
+
+def connect(nodes: Nodes) -> None:
+    """Make this process a driver of the cluster (its actors' owner)."""
+    ray.init(
+        address=nodes.address,
+        log_to_driver=True,
+        logging_level="WARNING",
+        runtime_env={"env_vars": NODE_ENV},
+    )
+
+
+def busiest_worker(nodes: Nodes) -> str | None:
+    """The worker node holding the most live actors of other drivers (e.g. a GRPO job)."""
+    names = {n.node_id: name for name, n in nodes.workers.items()}
+    me = ray.get_runtime_context().get_job_id()
+    table = ray._private.state.actors().values()  # the GCS actor table (no dashboard needed)
+    found = [names.get(a["Address"]["NodeID"]) for a in table if a["State"] == "ALIVE"
+             and a["JobID"] != me]  # fmt: skip
+    counts = Counter(n for n in found if n is not None)
+    return counts.most_common(1)[0][0] if counts else None
+
+
+def on(node: str) -> dict[str, Any]:
+    """Actor options that pin it to `node` (a sliver of that node's own resource)."""
+    return {"num_cpus": 0, "resources": {node: 0.01}}
+
+
+def node_of(actor: Any) -> str:
+    """Which node an actor runs on, by the scratch folder its node gave it."""
+    return os.path.basename(
+        ray.get(actor.__ray_call__.remote(lambda self: os.environ["NODE_SCRATCH"]))
+    )
+
+
+@ray.remote(num_cpus=0)
+class Buffer(Checkpointable):
+    """A small stateful actor: draws from its own generator and keeps what it drew."""
+
+    def __init__(self, seed: int) -> None:
+        self.rng = np.random.default_rng(seed)
+        self.history: list[float] = []
+
+    def rng_generators(self) -> dict[str, Any]:
+        return {"rng": self.rng}
+
+    def step(self) -> float:
+        self.history.append(float(self.rng.random()))
+        return self.history[-1]
+
+    def slow(self, seconds: float) -> None:
+        time.sleep(seconds)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"history": list(self.history), "blob": np.arange(50_000, dtype=np.float32)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.history = list(state["history"])
+
+
+class Placed:
+    """An actor class whose n-th `.remote()` goes to the n-th node: `spawn_trainer_ranks` then
+    puts rank r on nodes[r]."""
+
+    def __init__(self, actor_cls: Any, nodes: list[str], **options: Any) -> None:
+        self.actor_cls, self.nodes, self.options = actor_cls, iter(nodes), options
+
+    def remote(self, *args: Any, **kwargs: Any) -> Any:
+        opts = {**on(next(self.nodes)), **self.options}
+        return self.actor_cls.options(**opts).remote(*args, **kwargs)
+
+
+def trainer_ranks(nodes: list[str], seed: int, **options: Any) -> list:
+    """One rank of tests/_trainer_model.TrainerRank per node (FSDP2 over gloo when > 1)."""
+    import _trainer_model
+
+    ray.cloudpickle.register_pickle_by_value(_trainer_model)
+    rank_cls = ray.remote(_trainer_model.TrainerRank)
+    ranks = spawn_trainer_ranks(Placed(rank_cls, nodes, **options), len(nodes))
+    ray.get([r.setup.remote(seed) for r in ranks])
+    return ranks
+
+
+async def drive(address: str, folder: str, options: dict, out: str, phase: str) -> None:
+    """The driver of `test_driver_sigkill_resumes_bitwise`, a process of its own.
+
+    "first": trainer ranks on node_a and node_b, actors on the head and node_b; 2 steps, save
+    2, 2 more steps (written to `out`: what a resume must reproduce), then a save of step 4
+    that is slow on node_b and prints SAVING while in flight (the test SIGKILLs us there).
+    "resume": fresh actors with other seeds, load the newest step, the same 2 steps, to `out`.
+    """
+    ray.init(address=address, logging_level="WARNING", runtime_env={"env_vars": NODE_ENV})
+    seed = 0 if phase == "first" else 7
+    slow = {"runtime_env": {"env_vars": {"FORGE_CKPT_FAULT": "put:sleep=2"}}}
+    ranks = trainer_ranks(["node_a", "node_b"], seed)
+    actors = [
+        Buffer.options(**on("head")).remote(seed),
+        Buffer.options(**on("node_b"), **slow).remote(seed + 1),
+    ]
+    coord = CheckpointCoordinator(CheckpointConfig(folder=folder, storage_options=options))
+    coord.set_trainer(ranks)
+    coord.register("dataset", actors[0])
+    coord.register("replay", actors[1])
+
+    async def steps(n: int) -> list:
+        done = []
+        for _ in range(n):
+            losses = await asyncio.gather(*(r.train.remote(1) for r in ranks))
+            done.append([losses, await asyncio.gather(*(a.step.remote() for a in actors))])
+        return done
+
+    if phase == "first":
+        await steps(2)
+        await coord.save(2)
+    else:
+        assert (await coord.load()).step == 2
+    result = {"steps": await steps(2), "nodes": [node_of(h) for h in [*ranks, *actors]]}
+    with open(out, "w") as f:
+        json.dump(result, f)
+    if phase == "first":
+        print("SAVING", flush=True)
+        await coord.save(4)
+        print("SAVED", flush=True)  # the test kills us before this
+    coord.close()
+
+
+if __name__ == "__main__":
+    address, folder, out, phase = sys.argv[1:5]
+    asyncio.run(drive(address, folder, json.loads(os.environ["S3_OPTIONS"]), out, phase))

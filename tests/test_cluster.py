@@ -1,0 +1,227 @@
+"""Multi-node: a 3-node Ray cluster on this machine (head + node_a + node_b, each its own
+raylet, object store and scratch folder; no shared folder), checkpoints on the test S3 server.
+
+- a driver process SIGKILLed mid-save: a new driver resumes bitwise, actors on other nodes;
+- a node lost during a save, during a step, or between saves: the save fails naming every lost
+  unit, fast, nothing is committed, and the previous step loads into recreated actors;
+- the GRPO app loses a worker node mid-run, recovers by itself, and finishes bitwise equal to
+  an uninterrupted run; a killed actor in a single-node run recovers the same way.
+
+One cluster serves the module; a test that removes a node adds it back (`nodes.restore()`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import ray
+
+from apps.grpo import chaos
+from forge_ckpt import (
+    CheckpointConfig,
+    CheckpointCoordinator,
+    CheckpointSaveError,
+    committed_steps,
+    pending_steps,
+)
+
+sys.path.insert(0, os.path.dirname(__file__))
+import cluster_util as cu  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+CONFIG = os.path.join(HERE, "..", "configs", "grpo_test.yaml")
+
+
+@pytest.fixture(scope="module")
+def nodes(s3_server, tmp_path_factory):
+    """The cluster; this process is its driver. Every node gets the S3 server's AWS_* env."""
+    nodes = cu.start_cluster(str(tmp_path_factory.mktemp("nodes")), s3_server.env())
+    cu.connect(nodes)
+    ray.cloudpickle.register_pickle_by_value(cu)
+    yield nodes
+    ray.shutdown()
+    nodes.cluster.shutdown()
+
+
+def env_with(s3_folder) -> dict[str, str]:
+    return {**os.environ, **s3_folder.server.env(), "S3_OPTIONS": json.dumps(s3_folder.options)}
+
+
+def test_driver_sigkill_resumes_bitwise(nodes, s3_folder, tmp_path):
+    env = env_with(s3_folder)
+    script = os.path.join(HERE, "cluster_util.py")
+    first, again = str(tmp_path / "first.json"), str(tmp_path / "again.json")
+    cmd = [sys.executable, script, nodes.address, s3_folder.url]
+    log = open(tmp_path / "driver.log", "w+")  # noqa: SIM115
+    proc = subprocess.Popen([*cmd, first, "first"], env=env, stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 120
+    while "SAVING" not in open(tmp_path / "driver.log").read():
+        assert proc.poll() is None and time.monotonic() < deadline, open(log.name).read()
+        time.sleep(0.05)
+    time.sleep(1.0)  # the step-4 save is in flight: node_b's actor writes slowly
+    assert pending_steps(s3_folder.url, s3_folder.options) == [4]
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert committed_steps(s3_folder.url, s3_folder.options) == [2]
+    out = subprocess.run([*cmd, again, "resume"], env=env, capture_output=True, timeout=180)
+    assert out.returncode == 0, out.stdout.decode()[-3000:] + out.stderr.decode()[-3000:]
+    want, got = json.load(open(first)), json.load(open(again))
+    assert want["nodes"] == ["node_a", "node_b", "head", "node_b"]  # ranks, then actors
+    assert got == want  # losses of both ranks and every draw, after the resume: bitwise
+    assert committed_steps(s3_folder.url, s3_folder.options) == [2]  # step 4 never was
+
+
+async def test_node_lost_during_save_step_or_between_saves(nodes, s3_folder):
+    """Every way of losing node_b fails the save fast, naming each unit that was on it;
+    nothing is committed, and step 1 loads into actors recreated on the nodes that remain."""
+    slow = {"runtime_env": {"env_vars": {"FORGE_CKPT_FAULT": "put:sleep=0.5"}}}
+    cfg = CheckpointConfig(folder=s3_folder.url, storage_options=s3_folder.options)
+    cfg.save_timeout_s = cfg.abort_timeout_s = 30  # a hang would fail the test, not stall it
+    coord = CheckpointCoordinator(cfg)
+    coord.set_trainer(cu.trainer_ranks(["node_b"], seed=0, **slow))
+    buffer = cu.Buffer.options(**cu.on("node_a")).remote(0)
+    replay = cu.Buffer.options(**cu.on("node_b"), **slow).remote(1)
+    coord.register("dataset", buffer)
+    coord.register("replay", replay)
+    await asyncio.gather(buffer.step.remote(), replay.step.remote())
+    await coord.save(1)
+    saved = await asyncio.gather(buffer.state_dict.remote(), replay.state_dict.remote())
+
+    save = asyncio.ensure_future(coord.save(2))  # node_b's actor writes slowly
+    while not pending_steps(s3_folder.url, s3_folder.options):
+        await asyncio.sleep(0.02)
+    t0 = time.monotonic()
+    nodes.remove("node_b")
+    with pytest.raises(CheckpointSaveError) as e:
+        await save
+    assert time.monotonic() - t0 < 10
+    msg = str(e.value)
+    assert "step 1 is still the newest committed step" in msg
+    assert "trainer rank 0: lost (its node died" in msg
+    assert "actor 'replay' replica 0: lost (its node died" in msg
+    assert "actor 'dataset'" not in msg
+    assert sorted(e.value.lost) == ["actor 'replay' replica 0", "trainer rank 0"]
+    assert committed_steps(s3_folder.url, s3_folder.options) == [1]
+    assert pending_steps(s3_folder.url, s3_folder.options) == []
+
+    coord.set_trainer(cu.trainer_ranks(["node_a"], seed=5))  # on the nodes that remain
+    new_replay = cu.Buffer.options(**cu.on("head")).remote(9)
+    coord.register("replay", new_replay, replace=True)
+    assert (await coord.load()).step == 1
+    got = await asyncio.gather(
+        buffer.state_dict.remote(), coord._groups["replay"].units[0].handle.state_dict.remote()
+    )
+    assert [g["history"] for g in got] == [s["history"] for s in saved]
+
+    nodes.restore()  # lost while a step runs, and between saves: the same error, no hang
+    for during_step in (True, False):
+        replay = cu.Buffer.options(**cu.on("node_b")).remote(1)
+        coord.register("replay", replay, replace=True)
+        await replay.step.remote()
+        call = replay.slow.remote(30)
+        nodes.remove("node_b")
+        if during_step:
+            with pytest.raises(ray.exceptions.ActorDiedError, match="its node has died"):
+                await call
+        t0 = time.monotonic()
+        with pytest.raises(CheckpointSaveError, match="actor 'replay' replica 0: lost"):
+            await coord.save(2)
+        assert time.monotonic() - t0 < 10
+        assert committed_steps(s3_folder.url, s3_folder.options) == [1]
+        nodes.restore()
+    coord.close()
+
+
+async def test_timeout_names_the_config_knob(nodes, s3_folder):
+    cfg = CheckpointConfig(folder=s3_folder.url, storage_options=s3_folder.options)
+    cfg.save_timeout_s = 1
+    coord = CheckpointCoordinator(cfg)
+    hung = cu.Buffer.options(**cu.on("head")).remote(0)
+    coord.register("replay", hung)
+    hung.slow.remote(4)  # busy: its snapshot call waits behind this
+    with pytest.raises(CheckpointSaveError) as e:
+        await coord.save(1)
+    assert "actor 'replay' replica 0: TimeoutError: no answer within 1s" in str(e.value)
+    assert "CheckpointConfig.save_timeout_s" in str(e.value)
+    coord.close()
+
+
+def grpo(run_dir: str, overrides: list[str], env: dict, log: str) -> chaos.Job:
+    return chaos.Job(CONFIG, run_dir, overrides, env, log)
+
+
+def read(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def step_lines(run_dir: str) -> list[bytes]:
+    lines = read(os.path.join(run_dir, chaos.METRICS)).splitlines(keepends=True)
+    return [line for line in lines if not line.startswith(b'{"event"')]
+
+
+def same_run(run_dir: str, ref: str) -> None:
+    """Every step line of metrics.jsonl and the final weights equal the reference's, bitwise."""
+    assert step_lines(run_dir) == step_lines(ref)
+    assert read(os.path.join(run_dir, chaos.WEIGHTS)) == read(os.path.join(ref, chaos.WEIGHTS))
+
+
+@pytest.fixture(scope="module")
+def reference(nodes, s3_server, tmp_path_factory):
+    """An uninterrupted GRPO run on the cluster, its actors spread over the 3 nodes."""
+    run_dir = str(tmp_path_factory.mktemp("grpo-ref"))
+    bucket = f"grpo-ref-{os.getpid()}"
+    s3_server.create_bucket(bucket)
+    spread = [f"ray.address={nodes.address}", "ray.placement=spread"]
+    job = grpo(run_dir, [*spread, f"checkpoint.folder=s3://{bucket}/ckpt"], s3_server.env(),
+               run_dir + ".log")  # fmt: skip
+    assert job.wait(timeout=300) == 0, read(job.log).decode()[-3000:]
+    return run_dir
+
+
+def test_grpo_recovers_from_a_lost_node_bitwise(nodes, reference, s3_folder, tmp_path):
+    run_dir = str(tmp_path / "run")
+    overrides = [
+        f"ray.address={nodes.address}",
+        "ray.placement=spread",
+        f"checkpoint.folder={s3_folder.url}",
+    ]
+    job = grpo(run_dir, overrides, s3_folder.server.env(), str(tmp_path / "run.log"))
+    assert chaos.wait_until(job, lambda: chaos.metrics_lines(run_dir) >= 5, 300, 0.01)
+    victim = cu.busiest_worker(nodes)  # SPREAD puts some of the job's actors on a worker
+    assert victim is not None
+    nodes.remove(victim)  # mid-run
+    try:
+        assert job.wait(timeout=300) == 0, read(job.log).decode()[-3000:]
+    finally:
+        nodes.restore()
+    same_run(run_dir, reference)
+    (event,) = chaos_events(run_dir)
+    assert event["lost"] and all("its node died" in r for r in event["reasons"].values())
+    assert event["resumed_step"] in (4, 6) and event["failed_step"] > event["resumed_step"]
+    assert "recoveries: 1 (lost " in read(job.log).decode()
+
+
+def test_grpo_recovers_from_a_killed_actor_bitwise(reference, tmp_path):
+    """Single node (the job's own local Ray): the replay actor dies after step 5."""
+    run_dir = str(tmp_path / "run")
+    env = {chaos.CHAOS_KILL: "replay@5"}
+    job = grpo(run_dir, [], env, str(tmp_path / "run.log"))
+    assert job.wait(timeout=300) == 0, read(job.log).decode()[-3000:]
+    same_run(run_dir, reference)
+    (event,) = chaos_events(run_dir)
+    assert event["lost"] == ["actor 'replay'"] and event["resumed_step"] == 4
+    assert "killed by `ray.kill`" in event["reasons"]["actor 'replay'"]
+
+
+def chaos_events(run_dir: str) -> list[dict]:
+    """The recovery lines of metrics.jsonl."""
+    with open(os.path.join(run_dir, chaos.METRICS)) as f:
+        return [r for r in map(json.loads, f) if r.get("event") == "recovery"]
