@@ -7,86 +7,21 @@ import math
 import os
 import random
 import struct
-import tempfile
+import sys
 import tracemalloc
 import warnings
 
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-from hypothesis.extra import numpy as hnp
 
 from forge_ckpt import rng, serialization
 from forge_ckpt.errors import CheckpointCorruptError, NotSerializableError
 from forge_ckpt.serialization import MAGIC, describe, load, loads, save, snapshot
 from forge_ckpt.storage import FileRecord
 
-TORCH_DTYPES = [
-    getattr(torch, n)
-    for n in (
-        "bool uint8 int8 int16 int32 int64 uint16 uint32 uint64 float16 bfloat16 float32 "
-        "float64 complex64 complex128 float8_e4m3fn float8_e4m3fnuz float8_e5m2 float8_e5m2fnuz "
-        "float8_e8m0fnu"
-    ).split()
-    if hasattr(torch, n)
-]
-NP_DTYPES = [
-    np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64,
-    np.float16, np.float32, np.float64, np.longdouble, np.complex64, np.complex128,
-    np.dtype(">f4"), np.dtype(">i8"),
-]  # fmt: skip
-
-
-# ---------------------------------------------------------------- helpers
-
-
-def roundtrip(state, tmp_path, name="c"):
-    path = str(tmp_path / "state.bin")
-    rec = save(state, path, "state.bin", name=name)
-    assert rec.size == os.path.getsize(path)
-    return load(path, rec)
-
-
-def bits(x) -> bytes:
-    """Raw bytes of a tensor/array, whatever its dtype (bfloat16, float8, bool, complex)."""
-    if isinstance(x, torch.Tensor):
-        return x.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-    return np.ascontiguousarray(x).tobytes()
-
-
-def same(a, b) -> bool:
-    """Deep equality that is exact: types, dict order, floats and blobs compared by their bits."""
-    if type(a) is not type(b):
-        return False
-    if isinstance(a, float):
-        return struct.pack("<d", a) == struct.pack("<d", b)
-    if isinstance(a, torch.Tensor):
-        return a.dtype == b.dtype and a.shape == b.shape and bits(a) == bits(b)
-    if isinstance(a, np.ndarray):
-        return a.dtype == b.dtype and a.shape == b.shape and bits(a) == bits(b)
-    if isinstance(a, np.generic):
-        return a.dtype == b.dtype and a.tobytes() == b.tobytes()
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
-    if isinstance(a, dict):
-        return len(a) == len(b) and all(
-            same(ka, kb) and same(va, vb)
-            for (ka, va), (kb, vb) in zip(a.items(), b.items(), strict=True)
-        )
-    return a == b
-
-
-def random_bits(shape, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
-    """Arbitrary bit patterns (NaN payloads, subnormals, odd bools) in any dtype."""
-    g = torch.Generator().manual_seed(seed)
-    n = math.prod(shape) * dtype.itemsize
-    raw = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
-    if dtype == torch.bool:
-        raw &= 1
-    return raw.view(dtype).reshape(shape)
-
+sys.path.insert(0, os.path.dirname(__file__))
+from serialization_util import NP_DTYPES, TORCH_DTYPES, bits, random_bits, roundtrip, same  # noqa: E402
 
 # ---------------------------------------------------------------- tensors and arrays
 
@@ -544,75 +479,3 @@ def test_describe(tmp_path):
         "e": "tensor(float32, [0])",
         "z": "ndarray(int16, [])",
     }
-
-
-# ---------------------------------------------------------------- property tests
-
-_keys = st.one_of(
-    st.text(max_size=5),
-    st.integers(),
-    st.floats(allow_nan=False),
-    st.booleans(),
-    st.none(),
-    st.tuples(st.integers(-5, 5), st.text(max_size=3)),
-)
-_np_arrays = hnp.arrays(
-    dtype=st.sampled_from([np.dtype(d) for d in NP_DTYPES]),
-    shape=hnp.array_shapes(min_dims=0, max_dims=3, min_side=0, max_side=4),
-)
-_tensors = st.builds(
-    lambda shape, dtype, seed: random_bits(shape, dtype, seed),
-    hnp.array_shapes(min_dims=0, max_dims=3, min_side=0, max_side=4),
-    st.sampled_from(TORCH_DTYPES),
-    st.integers(0, 1000),
-)
-_leaves = st.one_of(
-    st.none(),
-    st.booleans(),
-    st.integers(),
-    st.integers(min_value=-(2**200), max_value=2**200),
-    st.floats(),
-    st.text(),
-    st.binary(),
-    _np_arrays,
-    _tensors,
-    hnp.from_dtype(np.dtype(np.float32)).map(np.float32),
-    st.integers(-(2**63), 2**63 - 1).map(np.int64),
-    st.booleans().map(np.bool_),
-)
-_trees = st.recursive(
-    _leaves,
-    lambda kids: st.one_of(
-        st.lists(kids, max_size=4),
-        st.lists(kids, max_size=4).map(tuple),
-        st.dictionaries(_keys, kids, max_size=4),
-    ),
-    max_leaves=20,
-)
-
-
-@settings(
-    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
-)
-@given(tree=_trees)
-def test_property_random_trees_roundtrip(tmp_path, tree):
-    path = str(tmp_path / "p.bin")
-    rec = snapshot(tree, name="p", copy=True).write(path, "p.bin")
-    assert same(load(path, rec), tree)
-
-
-@settings(max_examples=100, deadline=None)
-@given(tree=_trees)
-def test_property_loads_from_memory(tree):
-    snap = snapshot(tree, name="p")
-    assert snap.nbytes >= 16
-    image = _image(snap)
-    assert len(image) == snap.nbytes
-    assert same(loads(image), tree)
-
-
-def _image(snap) -> bytes:
-    with tempfile.TemporaryDirectory() as d:
-        snap.write(os.path.join(d, "f"), "f")
-        with open(os.path.join(d, "f"), "rb") as f:
-            return f.read()
