@@ -42,7 +42,16 @@ class CheckpointConfig:
         a pickle: never open one that does not match the manifest).
     fallback: on a corrupt newest step, load the newest intact committed one instead.
     fingerprint: identifies the run (a hash of its config); a folder from another run is
-        refused on load.
+        refused on load (and the memory tier retires holders of another run).
+    memory_every: 1 turns on the replicated memory tier (docs/tiers.md): every save goes to
+        holder actors on other nodes; 0 (default) saves only to `folder`.
+    durable_every: with the memory tier, every Nth save is also persisted to `folder`, in the
+        background, from the holders' copies.
+    memory_copies: copies of each file, each on another node than its writer's: losing any
+        `memory_copies - 1` nodes leaves a whole memory step.
+    memory_budget_bytes / memory_keep: each holder's byte budget, and how many newest memory
+        steps it keeps when a new file needs room; a file that does not fit fails the save.
+    memory_namespace: the Ray namespace of the (detached, named) holder actors.
     """
 
     folder: str
@@ -61,9 +70,20 @@ class CheckpointConfig:
     signing_key: str | bytes | None = field(default=None, repr=False)
     verify_keys: list[str | bytes] = field(default_factory=list, repr=False)
     allow_unsigned: bool = False
+    memory_every: int = 0
+    durable_every: int = 1
+    memory_copies: int = 2
+    memory_budget_bytes: int = 8 * 1024**3
+    memory_keep: int = 2
+    memory_namespace: str = "forge_ckpt"
 
     def __post_init__(self) -> None:
         self.folder = normalize_url(str(self.folder))
+        if self.folder.startswith("mem://"):
+            raise ValueError(
+                f"folder={self.folder!r}: the folder is the durable tier; the memory tier is "
+                "turned on with memory_every=1 (docs/tiers.md)"
+            )
         if self.async_mode not in ("sync", "async"):
             raise ValueError(f"async_mode must be 'sync' or 'async', got {self.async_mode!r}")
         if self.keep_last is not None and self.keep_last < 1:
@@ -75,6 +95,14 @@ class CheckpointConfig:
             <= 0
         ):
             raise ValueError("timeouts must be positive")
+        if self.memory_every not in (0, 1):
+            raise ValueError(
+                f"memory_every must be 0 (off) or 1 (every save), got {self.memory_every}"
+            )
+        if min(self.durable_every, self.memory_copies, self.memory_keep) < 1:
+            raise ValueError("durable_every, memory_copies and memory_keep must be >= 1")
+        if self.memory_budget_bytes <= 0:
+            raise ValueError("memory_budget_bytes must be positive")
 
     @property
     def signer(self) -> Signer:

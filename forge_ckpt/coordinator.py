@@ -33,9 +33,12 @@ from .errors import (
     CheckpointSaveError,
 )
 from .lock import Lease
+from .memory.choose import TIER
+from .memory.choose import candidates as load_candidates
+from .memory.tier import open_tier
 from .remote_errors import describe, failure_error, save_error
 from .reshard import ReshardRule
-from .storage import FileRecord, open_storage
+from .storage import FileRecord, Storage, StorageSpec, open_storage
 
 log = logging.getLogger("forge_ckpt")
 
@@ -60,6 +63,7 @@ class LoadResult:
     extra: Any
     path: str
     manifest: layout.Manifest
+    tier: str = "durable"  # or "memory"
 
 
 class CheckpointCoordinator:
@@ -88,6 +92,7 @@ class CheckpointCoordinator:
         self._branch_from: int | None = None  # set by a load of an older step (rollback)
         self._commit_lock = threading.Lock()  # close() never releases the lease mid-commit
         self._closed = False
+        self.tier = open_tier(config, self._lease.release)  # None: no memory tier
 
     # ---- registration -------------------------------------------------------------------
 
@@ -130,39 +135,48 @@ class CheckpointCoordinator:
     async def save(self, step: int, extra: Any = None) -> SaveResult:
         """Save every component at `step` and commit. Sync mode: returns after the commit.
         Async mode: returns once every component holds its snapshot; `wait()` flushes."""
-        await self.wait()
+        await self.wait(persisting=False)
         self._check_open()
-        where = self.config.storage.child(layout.step_name(step))
+        store, spec = self._target(self.tier is not None)
+        where = spec.child(layout.step_name(step))
         background = self.config.async_mode == "async"
         start = time.perf_counter()
         try:
-            if await asyncio.to_thread(self._skip_or_branch, step):
+            if await asyncio.to_thread(self._skip_or_branch, step, store):
                 return SaveResult(step, where.url, committed=True)
-            await asyncio.to_thread(commit.prepare_step, self.store, step)
+            await asyncio.to_thread(commit.prepare_step, store, step)
         except OSError as e:
-            await self._discard(step)
+            await self._discard(step, store)
             lines = [f"preparing the step: {describe(e)}"]
             raise save_error(self._newest(), step, lines) from e
         units = self._units()
         try:
             nbytes = await self._all(units, lambda u: u.begin(where, background), step, "snapshot")
         except BaseException as e:
-            await self._abort(units, step, e)
+            await self._abort(units, step, e, store)
             raise
         result = SaveResult(step, where.url, sum(nbytes), blocked_s=time.perf_counter() - start)
-        finish = self._finish_save(result, units, start, extra)
+        finish = self._finish_save(result, units, start, extra, store)
         if not background:
             return await finish
         self._pending = asyncio.create_task(finish)
         self._pending.add_done_callback(_log_background_failure)
         return result
 
-    def _skip_or_branch(self, step: int) -> bool:
+    def _target(self, memory: bool) -> tuple[Storage, StorageSpec]:
+        """The memory tier's storage or the durable folder's."""
+        if memory and self.tier is not None:
+            return self.tier.store, self.tier.spec
+        return self.store, self.config.storage
+
+    def _skip_or_branch(self, step: int, store: Storage) -> bool:
         """True if `step` is already committed; retires an abandoned branch first."""
         if self._branch_from is not None and step > self._branch_from:
             commit.retire_after(self.store, self._branch_from)
+            if self.tier is not None:
+                commit.retire_after(self.tier.store, self._branch_from)
             self._branch_from = None
-        committed = layout.committed_steps(self.store)
+        committed = layout.committed_steps(store)
         if step in committed:
             log.warning("step %d is already committed; nothing to save", step)
             return True
@@ -175,14 +189,14 @@ class CheckpointCoordinator:
         return False
 
     async def _finish_save(
-        self, result: SaveResult, units: list[Unit], start: float, extra: Any
+        self, result: SaveResult, units: list[Unit], start: float, extra: Any, store: Storage
     ) -> SaveResult:
         try:
             records = await self._persisted(units, result, start)
             manifest = self._manifest(result.step, records, result.seconds, extra)
-            await asyncio.to_thread(self._commit, manifest)
+            await asyncio.to_thread(self._commit, manifest, store)
         except BaseException as e:
-            await self._abort(units, result.step, e)
+            await self._abort(units, result.step, e, store)
             if isinstance(e, (OSError, ValueError)):
                 raise save_error(self._newest(), result.step, [f"commit: {describe(e)}"]) from e
             raise
@@ -192,15 +206,22 @@ class CheckpointCoordinator:
         log.info(
             "committed step %d: %.1f MB in %.2fs", result.step, result.nbytes / 1e6, result.total_s
         )
+        if self.tier is not None and store is self.tier.store:  # maybe persisted, later
+            await self.tier.committed(manifest, self.store, self._commit, self._retention)
+        else:
+            await self._retention()
+        return result
+
+    async def _retention(self) -> None:
         removed = await asyncio.to_thread(commit.apply_retention, self.store, self.config.retention)
         if removed:
             log.info("retention removed steps %s", removed)
-        return result
 
-    def _commit(self, manifest: layout.Manifest) -> None:
+    def _commit(self, manifest: layout.Manifest, store: Storage | None = None) -> None:
         with self._commit_lock:
             self._check_open()
-            commit.commit_step(self.store, manifest, self._lease.renew, self._signer)
+            target = self.store if store is None else store
+            commit.commit_step(target, manifest, self._lease.renew, self._signer)
 
     async def _persisted(
         self, units: list[Unit], result: SaveResult, start: float
@@ -250,7 +271,9 @@ class CheckpointCoordinator:
             generation=self._lease.generation,
         )
 
-    async def _abort(self, units: list[Unit], step: int, error: BaseException) -> None:
+    async def _abort(
+        self, units: list[Unit], step: int, error: BaseException, store: Storage
+    ) -> None:
         """Stop every unit's part of a failed save (a trainer rank joins its background write,
         so the next save and load find it idle), then remove the step's files. Units that
         failed or hung are not asked: a hung actor would answer only after its hang."""
@@ -265,26 +288,28 @@ class CheckpointCoordinator:
         for u, r in zip(units, results, strict=True):
             if isinstance(r, BaseException) and not isinstance(r, asyncio.CancelledError):
                 log.debug("abort of %s: %s", u.label, r)
-        await self._discard(step)
+        await self._discard(step, store)
 
-    async def _discard(self, step: int) -> None:
+    async def _discard(self, step: int, store: Storage) -> None:
         """Remove an aborted step's files; a failure here must not hide the save's own error."""
         try:
-            await asyncio.to_thread(commit.remove_step, self.store, step)
+            await asyncio.to_thread(commit.remove_step, store, step)
         except OSError as e:
             log.warning(
                 "could not remove aborted step %s (%s); it is not committed and will be "
                 "removed at the next start",
-                self.store.where(layout.step_name(step)),
+                store.where(layout.step_name(step)),
                 e,
             )
 
-    async def wait(self) -> SaveResult | None:
-        """Wait for a background save; raises its error if it failed (never dropped)."""
+    async def wait(self, persisting: bool = True) -> SaveResult | None:
+        """Wait for a background save (and, with the memory tier, its persist to the durable
+        folder unless `persisting=False`); raises an error if one failed (never dropped)."""
         pending, self._pending = self._pending, None
-        if pending is None:
-            return None
-        return await pending
+        result = None if pending is None else await pending
+        if persisting and self.tier is not None:
+            await self.tier.flush()
+        return result
 
     # ---- load ---------------------------------------------------------------------------
 
@@ -313,32 +338,41 @@ class CheckpointCoordinator:
         self._check_open()
         exclude = set(exclude)
         marked = await asyncio.to_thread(layout.marked_steps, self.store)
-        if step is not None and step not in marked:
+        mem = await asyncio.to_thread(self.tier.steps) if self.tier is not None else []
+        if step is not None and step not in marked and step not in mem:
             raise CheckpointError(
                 f"step {step} is not a committed step in {self.config.folder}; "
                 f"committed steps: {self.steps() or 'none'}"
+                + (f", in memory: {mem or 'none'}" if self.tier is not None else "")
             )
-        candidates = [step] if step is not None else marked[::-1]
-        if not self.config.fallback:
-            candidates = candidates[:1]
-        for n, candidate in enumerate(candidates):
+        candidates = load_candidates(mem, marked, step, self.config.fallback)
+        for n, (in_mem, candidate) in enumerate(candidates):
             try:
-                loaded = await self._load_step(candidate, exclude, allow_mismatch)
+                loaded = await self._load_step(candidate, exclude, allow_mismatch, in_mem)
             except CheckpointCorruptError as e:
                 if n + 1 == len(candidates):
                     raise
-                log.warning("step %d is corrupt (%s); falling back to step %d", candidate, e,
-                            candidates[n + 1])  # fmt: skip
+                nxt = candidates[n + 1]
+                if in_mem:  # a lost copy never comes back: nothing to move aside
+                    log.warning("%s; loading %s step %d", e, TIER[nxt[0]], nxt[1])
+                    continue
+                log.warning("step %d is corrupt (%s); falling back to %sstep %d", candidate, e,
+                            "memory " if nxt[0] else "", nxt[1])  # fmt: skip
                 await asyncio.to_thread(commit.quarantine_step, self.store, candidate)
                 continue
-            newest = marked[-1] if marked else None
+            newest = max([*marked, *mem], default=None)
             self._branch_from = loaded.step if newest is not None and loaded.step < newest else None
             return loaded
         return None
 
-    async def _load_step(self, step: int, exclude: set[str], allow_mismatch: bool) -> LoadResult:
-        where = self.config.storage.child(layout.step_name(step))
-        manifest = await asyncio.to_thread(layout.read_committed, self.store, step, self._signer)
+    async def _load_step(
+        self, step: int, exclude: set[str], allow_mismatch: bool, in_mem: bool = False
+    ) -> LoadResult:
+        store, spec = self._target(in_mem)
+        if in_mem and self.tier is not None:  # every file must still have a copy somewhere
+            await asyncio.to_thread(self.tier.check_whole, step)
+        where = spec.child(layout.step_name(step))
+        manifest = await asyncio.to_thread(layout.read_committed, store, step, self._signer)
         self._check_matches(manifest, exclude, allow_mismatch)
         verify = self.config.verify_on_load
         plan = await components.load_plan(self._groups, manifest, exclude, where, verify)
@@ -354,7 +388,7 @@ class CheckpointCoordinator:
             log.warning("loading despite a difference the component accepts: %s", line)
         await self._all(units, lambda u: u.apply(), step, "load")
         log.info("loaded step %d from %s", step, where.url)
-        return LoadResult(step, manifest.extra, where.url, manifest)
+        return LoadResult(step, manifest.extra, where.url, manifest, TIER[in_mem])
 
     def _check_matches(self, manifest: layout.Manifest, exclude: set[str], allow: bool) -> None:
         """Raise CheckpointMismatchError listing every difference."""
@@ -416,6 +450,8 @@ class CheckpointCoordinator:
         if self._pending is not None and not self._pending.done():
             log.warning("close() with a background save still running: it will not commit")
             self._pending.cancel()
+        if self.tier is not None:
+            self.tier.cancel()
         with self._commit_lock:
             self._closed = True
             self._lease.release()
@@ -427,6 +463,8 @@ class CheckpointCoordinator:
             for step in layout.all_steps(self.store):
                 commit.remove_step(self.store, step)
             self.store.delete_prefix(layout.QUARANTINE)
+            if self.tier is not None:
+                self.tier.wipe()
         finally:
             self.close()
 

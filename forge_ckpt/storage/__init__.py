@@ -1,4 +1,4 @@
-"""Where checkpoint bytes live: one small interface, a local and an S3 implementation."""
+"""Where checkpoint bytes live: one small interface; local, S3 and in-memory (`mem://`)."""
 
 from __future__ import annotations
 
@@ -42,8 +42,11 @@ def normalize_url(url: str) -> str:
     import os
 
     if "://" in url and not url.startswith("file://"):
-        if not url.startswith("s3://"):
-            raise ValueError(f"{url!r}: supported folders are local paths, file:// and s3://")
+        if not url.startswith(("s3://", "mem://")):
+            raise ValueError(
+                f"{url!r}: supported folders are local paths, file://, s3:// and mem:// "
+                "(the memory tier's holders, see docs/tiers.md)"
+            )
         return url.rstrip("/")
     return os.path.abspath(url.removeprefix("file://"))
 
@@ -63,6 +66,10 @@ def open_storage(where: str | StorageSpec, options: dict[str, Any] | None = None
         from .s3 import S3Storage
 
         store: Storage = S3Storage(spec)
+    elif spec.url.startswith("mem://"):
+        from ..memory.store import MemoryStorage
+
+        store = MemoryStorage(spec)
     else:
         from .local import LocalStorage
 

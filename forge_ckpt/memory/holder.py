@@ -1,0 +1,133 @@
+"""The holder: one detached Ray actor per node that keeps copies of checkpoint files in its own
+heap (not the object store: an object is lost with the worker that owns it), within a byte
+budget, and writes them to the durable tier on request.
+
+Keys are paths relative to the memory tier's root (`step-N/...`). A holder only ever drops a
+whole step: the oldest ones beyond `keep` when a put does not fit, or when asked to.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import ray
+
+from ..errors import CheckpointError
+from ..storage.base import FileRecord, StorageSpec, check_record, checksums_of, crc32c_of_bytes
+
+_STEP_RE = re.compile(r"^step-(\d+)(/|$)")
+
+
+class MemoryBudgetError(CheckpointError):
+    """A file does not fit in a holder's budget even after dropping its older steps."""
+
+
+def step_of(key: str) -> int | None:
+    m = _STEP_RE.match(key)
+    return int(m.group(1)) if m else None
+
+
+class Holder:
+    """Keeps files by key; every method is synchronous (calls never interleave)."""
+
+    def __init__(self, run_id: str, fingerprint: str, budget: int, keep: int) -> None:
+        self.run_id, self.fingerprint = run_id, fingerprint
+        self.budget, self.keep = budget, keep
+        self.files: dict[str, bytes] = {}
+        self.node_id = ray.get_runtime_context().get_node_id()
+
+    def info(self) -> dict[str, Any]:
+        used = sum(len(v) for v in self.files.values())
+        return {"run_id": self.run_id, "fingerprint": self.fingerprint, "node_id": self.node_id,
+                "used": used, "budget": self.budget, "files": len(self.files)}  # fmt: skip
+
+    def configure(self, budget: int, keep: int) -> dict[str, Any]:
+        """A restarted driver's budget and keep apply to the holders it finds."""
+        self.budget, self.keep = budget, keep
+        return self.info()
+
+    def put(self, key: str, refs: list[Any], record: dict) -> int:
+        """Fetch the writer's object (Ray moves it node to node), check it, keep it."""
+        data = ray.get(refs[0])
+        buf = bytes(data) if not isinstance(data, bytes) else data
+        rec = FileRecord.from_dict(record)
+        algo = None if rec.digest is None else rec.digest.split(":", 1)[0]
+        c = checksums_of(buf, algo)
+        check_record(f"mem holder {self.node_id[:8]}:{key}", c.size, c.crc, rec, c.record(key))
+        self._make_room(key, len(buf))
+        self.files[key] = buf
+        return len(buf)
+
+    def _make_room(self, key: str, size: int) -> None:
+        used = sum(len(v) for k, v in self.files.items() if k != key)
+        if used + size <= self.budget:
+            return
+        steps = sorted({s for s in map(step_of, self.files) if s is not None})
+        mine = step_of(key)
+        for old in steps[: max(len(steps) - self.keep, 0)]:
+            if old == mine:
+                continue
+            self.drop_step(old)
+            used = sum(len(v) for k, v in self.files.items() if k != key)
+            if used + size <= self.budget:
+                return
+        raise MemoryBudgetError(
+            f"memory holder on node {self.node_id} (run {self.run_id}): {key} ({size} bytes) "
+            f"does not fit: {used} of {self.budget} bytes are used by the newest "
+            f"{self.keep} step(s). Raise CheckpointConfig.memory_budget_bytes or lower "
+            "memory_keep"
+        )
+
+    def create(self, key: str, data: bytes, overwrite: bool = False) -> bool:
+        """Small control files (manifest, COMMIT): False if present and not `overwrite`."""
+        if key in self.files and not overwrite:
+            return False
+        self.files[key] = bytes(data)
+        return True
+
+    def replace(self, key: str, data: bytes, tag: str) -> str | None:
+        cur = self.files.get(key)
+        if cur is None or crc32c_of_bytes(cur) != tag:
+            return None
+        self.files[key] = bytes(data)
+        return crc32c_of_bytes(data)
+
+    def get(self, key: str, start: int = 0, end: int | None = None) -> bytes | None:
+        data = self.files.get(key)
+        return None if data is None else data[start:end]
+
+    def has(self, keys: list[str]) -> list[bool]:
+        return [k in self.files for k in keys]
+
+    def sizes(self, prefix: str = "") -> dict[str, int]:
+        return {k: len(v) for k, v in self.files.items() if k.startswith(prefix)}
+
+    def delete(self, key: str) -> None:
+        self.files.pop(key, None)
+
+    def delete_prefix(self, prefix: str) -> None:
+        for k in [k for k in self.files if k == prefix or k.startswith(prefix.rstrip("/") + "/")]:
+            del self.files[k]
+
+    def drop_step(self, step: int) -> None:
+        """COMMIT first, so that this holder never offers a half-dropped step as whole."""
+        self.files.pop(f"step-{step}/COMMIT", None)
+        self.delete_prefix(f"step-{step}")
+
+    def persist(self, spec: StorageSpec, keys: list[tuple[str, str]]) -> list[dict]:
+        """Write (key -> path) to the durable storage `spec` from this holder's copies;
+        returns the written records (the driver checks them against the manifest)."""
+        from ..storage import open_storage
+
+        store = open_storage(spec)
+        out = []
+        for key, path in keys:
+            data = self.files.get(key)
+            if data is None:
+                raise FileNotFoundError(f"memory holder on node {self.node_id}: {key} is gone")
+            out.append(store.write(path, data).to_dict())
+        return out
+
+
+HolderActor: Any = ray.remote(num_cpus=0, max_restarts=0)(Holder)

@@ -1,0 +1,251 @@
+"""`MemoryStorage`: the `mem://<run_id>` backend, so every unit writes the memory tier through
+the same seam (`open_storage(spec)`) as a folder, with no protocol of its own.
+
+A writer buffers its file and checksums it as every writer does; `close()` puts the bytes in
+the writer's own object store (`ray.put`) and hands the reference to `copies` holders on other
+nodes, which pull it node to node, check size and crc32c against the record and keep it.
+Control files (manifest, COMMIT) go to every live holder. There is no lease and no atomic
+create across holders: the durable folder's lease already makes the coordinator the only
+writer (see docs/tiers.md). Reads ask any live holder that has the file.
+"""
+
+from __future__ import annotations
+
+import builtins
+import logging
+import threading
+from typing import Any
+
+import ray
+
+from ..storage.base import (
+    AlreadyExistsError,
+    Checksums,
+    FileRecord,
+    PreconditionFailedError,
+    Storage,
+    StorageError,
+    StorageSpec,
+    Writer,
+    crc32c_of_bytes,
+    join,
+)
+from .placement import HolderRef, preference
+
+log = logging.getLogger("forge_ckpt")
+SCHEME = "mem://"
+OPTIONS = ("holders", "copies", "namespace", "digest")
+CALL_TIMEOUT_S = 300.0
+_DEAD = (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError, ValueError)
+_handles: dict[tuple[str, str], Any] = {}
+_lock = threading.Lock()
+
+
+def forget(namespace: str, name: str) -> None:
+    """Drop a cached handle (its holder was retired: a new one takes the name)."""
+    with _lock:
+        _handles.pop((namespace, name), None)
+
+
+def _unwrap(e: BaseException) -> BaseException:
+    cause = getattr(e, "cause", None)
+    return cause if isinstance(cause, BaseException) else e
+
+
+class MemoryStorage(Storage):
+    def __init__(self, spec: StorageSpec) -> None:
+        unknown = sorted(set(spec.options) - set(OPTIONS))
+        if unknown:
+            raise ValueError(f"unknown mem:// options {unknown}; known: {sorted(OPTIONS)}")
+        self.spec = spec
+        rest = spec.url.removeprefix(SCHEME)
+        self.run_id, _, self.prefix = rest.partition("/")
+        if not spec.options.get("holders"):
+            raise ValueError(
+                f"{spec.url}: a memory tier is opened from its coordinator's spec (it lists the "
+                "holders); set CheckpointConfig.memory_every=1 instead"
+            )
+        self.holders: list[HolderRef] = [(str(n), str(i)) for n, i in spec.options["holders"]]
+        self.copies = int(spec.options.get("copies", 2))
+        self.namespace = str(spec.options.get("namespace", "forge_ckpt"))
+
+    def sub(self, prefix: str) -> MemoryStorage:
+        return MemoryStorage(self.spec.child(prefix))
+
+    def key(self, path: str) -> str:
+        return join(self.prefix, path) if self.prefix else path.strip("/")
+
+    # ---- holders ---------------------------------------------------------------------------
+    def handle(self, name: str, refresh: bool = False) -> Any:
+        """The holder's actor handle by name (looked up again after a failure: a restarted
+        driver may have replaced it)."""
+        k = (self.namespace, name)
+        with _lock:
+            if refresh or k not in _handles:
+                _handles[k] = ray.get_actor(name, namespace=self.namespace)
+            return _handles[k]
+
+    def call(self, ref: HolderRef, method: str, *args: Any, timeout: float = 60.0) -> Any:
+        """One holder call; raises a `_DEAD` error if the holder is gone."""
+        for attempt in (0, 1):
+            try:
+                h = self.handle(ref[0], refresh=attempt == 1)
+                return ray.get(getattr(h, method).remote(*args), timeout=timeout)
+            except ray.exceptions.RayActorError:
+                if attempt == 1:
+                    raise
+        raise AssertionError("unreachable")
+
+    def on_all(self, method: str, *args: Any) -> list[tuple[HolderRef, Any]]:
+        """The call on every live holder at once; dead ones are left out."""
+        futures = []
+        for ref in self.holders:
+            try:
+                futures.append((ref, getattr(self.handle(ref[0]), method).remote(*args)))
+            except ValueError:  # no such actor (its node died before we looked it up)
+                continue
+        out = []
+        for ref, fut in futures:
+            try:
+                out.append((ref, ray.get(fut, timeout=60.0)))
+            except _DEAD:
+                try:
+                    out.append((ref, self.call(ref, method, *args)))
+                except _DEAD:
+                    continue
+        return out
+
+    def put_copies(self, path: str, data: bytes, record: FileRecord) -> list[str]:
+        """Hand `data` to `copies` live holders (other nodes first); the node ids that ack."""
+        key = self.key(path)
+        me = ray.get_runtime_context().get_node_id()
+        order = preference(key, self.holders, me)
+        ref = ray.put(data)
+        done: list[str] = []
+        tried: list[str] = []
+        while len(done) < self.copies and order:
+            batch, order = order[: self.copies - len(done)], order[self.copies - len(done) :]
+            futs = []
+            for h in batch:
+                try:
+                    futs.append((h, self.handle(h[0]).put.remote(key, [ref], record.to_dict())))
+                except ValueError:
+                    tried.append(f"{h[1][:8]} (no holder)")
+            for h, fut in futs:
+                try:
+                    ray.get(fut, timeout=CALL_TIMEOUT_S)
+                    done.append(h[1])
+                except _DEAD as e:
+                    tried.append(f"{h[1][:8]} ({type(e).__name__})")
+                except ray.exceptions.RayTaskError as e:
+                    raise _unwrap(e) from None
+        del ref
+        if len(done) < self.copies:
+            raise StorageError(
+                f"{self.where(path)}: only {len(done)} of {self.copies} copies could be placed "
+                f"(holders tried: {tried or 'none left'}); CheckpointConfig.memory_copies"
+            )
+        if me in done:
+            log.warning("%s: a copy is on the writer's own node (too few other nodes)", key)
+        return done
+
+    # ---- writing ---------------------------------------------------------------------------
+    def writer(self, path: str) -> Writer:
+        return _MemWriter(self, path)
+
+    def publish(self, path: str, data: bytes) -> FileRecord:
+        self._everywhere(path, data, overwrite=True)
+        c = Checksums(self.digest)
+        c.update(memoryview(data).cast("B"))
+        return c.record(path)
+
+    def _everywhere(self, path: str, data: bytes, overwrite: bool) -> list[bool]:
+        done = self.on_all("create", self.key(path), bytes(data), overwrite)
+        if not done:
+            raise StorageError(f"{self.where(path)}: no memory holder is alive")
+        return [ok for _, ok in done]
+
+    def create(self, path: str, data: bytes) -> str:
+        if any(has[0] for _, has in self.on_all("has", [self.key(path)])):
+            raise AlreadyExistsError(f"{self.where(path)} already exists")
+        self._everywhere(path, data, overwrite=True)
+        return crc32c_of_bytes(data)
+
+    def replace(self, path: str, data: bytes, tag: str) -> str:
+        done = self.on_all("replace", self.key(path), bytes(data), tag)
+        if not done or any(t is None for _, t in done):
+            raise PreconditionFailedError(f"{self.where(path)} changed or vanished")
+        return crc32c_of_bytes(data)
+
+    def read_tagged(self, path: str) -> tuple[bytes, str] | None:
+        try:
+            data = bytes(self.read(path))
+        except FileNotFoundError:
+            return None
+        return data, crc32c_of_bytes(data)
+
+    # ---- reading ---------------------------------------------------------------------------
+    def read(self, path: str, start: int = 0, end: int | None = None) -> bytearray:
+        key = self.key(path)
+        for ref in preference(key, self.holders, ""):
+            try:
+                data = self.call(ref, "get", key, start, end, timeout=CALL_TIMEOUT_S)
+            except _DEAD:
+                continue
+            if data is not None:
+                return bytearray(data)
+        raise FileNotFoundError(f"{self.where(path)}: no live memory holder has it")
+
+    def size(self, path: str) -> int | None:
+        key = self.key(path)
+        for _, sizes in self.on_all("sizes", key):
+            if key in sizes:
+                return int(sizes[key])
+        return None
+
+    def walk(self, prefix: str = "") -> builtins.list[tuple[str, int]]:
+        base = self.key(prefix)
+        found: dict[str, int] = {}
+        for _, sizes in self.on_all("sizes", base):
+            found.update(sizes)
+        cut = len(self.prefix) + 1 if self.prefix else 0
+        inside = base.rstrip("/") + "/" if base else ""
+        return sorted((k[cut:], n) for k, n in found.items() if k.startswith(inside))
+
+    def list(self, prefix: str = "") -> builtins.list[str]:
+        depth = len([p for p in prefix.strip("/").split("/") if p])
+        names = {p.split("/")[depth] for p, _ in self.walk(prefix)}
+        return sorted(names)
+
+    # ---- deleting --------------------------------------------------------------------------
+    def delete(self, path: str) -> None:
+        self.on_all("delete", self.key(path))
+
+    def delete_prefix(self, prefix: str) -> None:
+        self.on_all("delete_prefix", self.key(prefix))
+
+    def move_prefix(self, src: str, dst: str, first: str | None = None) -> None:
+        raise StorageError(f"{self.url}: the memory tier does not move steps (drop them)")
+
+
+class _MemWriter(Writer):
+    """Buffers the file (it goes to the holders whole), checksummed as it passes."""
+
+    def __init__(self, store: MemoryStorage, path: str) -> None:
+        self.store, self.path = store, path
+        self.parts: list[bytes] = []
+        self.sums = Checksums(store.digest)
+
+    def write(self, data: Any) -> None:
+        b = bytes(memoryview(data).cast("B"))
+        self.sums.update(b)
+        self.parts.append(b)
+
+    def close(self) -> FileRecord:
+        record = self.sums.record(self.path)
+        data, self.parts = b"".join(self.parts), []
+        self.store.put_copies(self.path, data, record)
+        return record
+
+    def abort(self) -> None:
+        self.parts = []

@@ -1,0 +1,231 @@
+"""The replicated memory tier on a 3-node cluster on this machine (tests/cluster_util.py):
+holders on every node keep each unit's files on the other nodes; every 2nd save is persisted
+from the holders' copies to the S3 folder.
+
+- a node holding one copy dies: load() restores the newest memory step from the other, bitwise;
+  a second node dies: every memory step lost a file's last copy, load() falls back to the
+  newest durable step and says why;
+- the driver is SIGKILLed: a new driver process finds the holders and resumes from memory;
+- a file over a holder's budget fails the save clearly, nothing committed; holders of another
+  run (fingerprint) are retired.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from typing import Any
+
+import pytest
+import ray
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import cluster_util as cu  # noqa: E402
+
+from forge_ckpt import (  # noqa: E402
+    CheckpointConfig,
+    CheckpointCoordinator,
+    CheckpointSaveError,
+    committed_steps,
+    layout,
+)
+from forge_ckpt.memory.choose import candidates  # noqa: E402
+from forge_ckpt.storage import open_storage  # noqa: E402
+
+HERE = os.path.abspath(__file__)
+
+
+@pytest.fixture(scope="module")
+def nodes(s3_server, tmp_path_factory):
+    nodes = cu.start_cluster(str(tmp_path_factory.mktemp("nodes")), s3_server.env())
+    cu.connect(nodes)
+    ray.cloudpickle.register_pickle_by_value(cu)
+    yield nodes
+    ray.shutdown()
+    nodes.cluster.shutdown()
+
+
+def config(folder: str, options: dict, **kw: Any) -> CheckpointConfig:
+    kw = {"memory_every": 1, "durable_every": 2, "memory_copies": 2, **kw}
+    cfg = CheckpointConfig(folder=folder, storage_options=options, **kw)
+    cfg.save_timeout_s = cfg.load_timeout_s = cfg.abort_timeout_s = 60
+    return cfg
+
+
+async def snapshot(ranks: list, actors: list) -> dict:
+    """What a load must restore: every actor's state and the trainer's full weights."""
+    states = await asyncio.gather(*(a.state_dict.remote() for a in actors))
+    summary = await ranks[0].summary.remote()
+    return {"histories": [s["history"] for s in states], "params": summary["full_params"],
+            "moments": summary["full_moments"], "step": summary["train_step"]}  # fmt: skip
+
+
+def assert_same(got: dict, want: dict) -> None:
+    assert got["histories"] == want["histories"] and got["step"] == want["step"]
+    for k in ("params", "moments"):
+        assert got[k].keys() == want[k].keys()
+        assert all(torch.equal(got[k][n], want[k][n]) for n in want[k]), k
+
+
+def copies(coord: CheckpointCoordinator, nodes: cu.Nodes, step: int) -> dict[str, set[str]]:
+    """Which nodes hold each file of a memory step."""
+    assert coord.tier is not None
+    names = {w.node_id: n for n, w in nodes.workers.items()}
+    names[nodes.cluster.head_node.node_id] = "head"
+    manifest = layout.read_committed(coord.tier.store, step)
+    keys = [f"step-{step}/{f.path}" for f in manifest.files]
+    has = coord.tier.store.on_all("has", keys)
+    return {k.split("/", 1)[1]: {names[ref[1]] for ref, flags in has if flags[i]}
+            for i, k in enumerate(keys)}  # fmt: skip
+
+
+async def test_node_loss_memory_then_durable(nodes, s3_folder, caplog):
+    coord = CheckpointCoordinator(config(s3_folder.url, s3_folder.options))
+    ranks = cu.trainer_ranks(["node_a"], seed=0)
+    actors = [cu.Buffer.options(**cu.on(n)).remote(i) for i, n in enumerate(["head", "node_b"])]
+    coord.set_trainer(ranks)
+    coord.register("dataset", actors[0])
+    coord.register("replay", actors[1])
+    saved = {}
+    for step in (1, 2, 3):
+        await asyncio.gather(ranks[0].train.remote(1), *(a.step.remote() for a in actors))
+        await coord.save(step)
+        saved[step] = await snapshot(ranks, actors)
+    await coord.wait()  # the background persist of step 2
+    assert committed_steps(s3_folder.url, s3_folder.options) == [2]
+    assert coord.tier is not None and coord.tier.steps() == [2, 3]
+    placed = await asyncio.to_thread(copies, coord, nodes, 3)
+    writer = {"actors/dataset.0.msgpack": "head", "actors/replay.0.msgpack": "node_b"}
+    for path, held in placed.items():  # 2 copies, never on the writer's own node
+        assert held == {"head", "node_a", "node_b"} - {writer.get(path, "node_a")}, path
+    try:
+        nodes.remove("node_b")  # one copy of the head's and node_a's files, and replay itself
+        actors[1] = cu.Buffer.options(**cu.on("head")).remote(9)
+        coord.register("replay", actors[1], replace=True)
+        await asyncio.gather(ranks[0].train.remote(1), actors[0].step.remote())  # moves on
+        loaded = await coord.load()
+        assert (loaded.step, loaded.tier) == (3, "memory")
+        assert_same(await snapshot(ranks, actors), saved[3])
+
+        nodes.remove("node_a")  # the head's units had their copies on node_a and node_b
+        ranks = cu.trainer_ranks(["head"], seed=5)
+        coord.set_trainer(ranks)
+        with caplog.at_level(logging.WARNING, logger="forge_ckpt"):
+            loaded = await coord.load()
+        assert (loaded.step, loaded.tier) == (2, "durable")
+        assert_same(await snapshot(ranks, actors), saved[2])
+        assert "memory step 3 is gone: dataset actors/dataset.0.msgpack" in caplog.text
+        assert (
+            "lost the last copy (nodes" in caplog.text and "loading durable step 2" in caplog.text
+        )
+    finally:
+        coord.close()
+        nodes.restore()
+
+
+async def drive(address: str, folder: str, options: dict, out: str, phase: str) -> None:
+    """A driver process: "first" saves steps 1-3 then waits to be killed; "resume" loads."""
+    ray.init(address=address, logging_level="WARNING", runtime_env={"env_vars": cu.NODE_ENV})
+    seed = 0 if phase == "first" else 7
+    actors = [cu.Buffer.options(**cu.on(n)).remote(seed + i)
+              for i, n in enumerate(["node_a", "node_b"])]  # fmt: skip
+    coord = CheckpointCoordinator(config(folder, options))
+    coord.register("dataset", actors[0])
+    coord.register("replay", actors[1])
+    if phase == "first":
+        for step in (1, 2, 3):
+            await asyncio.gather(*(a.step.remote() for a in actors))
+            await coord.save(step)
+        await coord.wait()
+    else:
+        loaded = await coord.load()
+        assert loaded is not None and (loaded.step, loaded.tier) == (3, "memory"), loaded
+    states = await asyncio.gather(*(a.state_dict.remote() for a in actors))
+    with open(out, "w") as f:
+        json.dump([s["history"] for s in states], f)
+    print("DONE", flush=True)
+    if phase == "first":
+        time.sleep(600)  # SIGKILLed here: holders must outlive us
+    coord.close()
+
+
+def test_driver_sigkill_resumes_from_memory(nodes, s3_folder, tmp_path):
+    env = {**os.environ, **s3_folder.server.env(), "S3_OPTIONS": json.dumps(s3_folder.options)}
+    first, again = str(tmp_path / "first.json"), str(tmp_path / "again.json")
+    cmd = [sys.executable, HERE, nodes.address, s3_folder.url]
+    log = open(tmp_path / "driver.log", "w+")  # noqa: SIM115
+    proc = subprocess.Popen([*cmd, first, "first"], env=env, stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 120
+    while "DONE" not in open(log.name).read():
+        assert proc.poll() is None and time.monotonic() < deadline, open(log.name).read()
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert committed_steps(s3_folder.url, s3_folder.options) == [2]  # step 3: only in memory
+    out = subprocess.run([*cmd, again, "resume"], env=env, capture_output=True, timeout=120)
+    assert out.returncode == 0, out.stdout.decode()[-3000:] + out.stderr.decode()[-3000:]
+    assert json.load(open(again)) == json.load(open(first))
+
+
+async def test_budget_and_foreign_holders(nodes, s3_folder, caplog):
+    opts = s3_folder.options
+    coord = CheckpointCoordinator(config(s3_folder.url, opts, fingerprint="A", async_mode="async"))
+    actor = cu.Buffer.options(**cu.on("node_a")).remote(0)
+    coord.register("replay", actor)
+    await coord.save(1)
+    assert (await coord.wait()).committed
+    assert coord.tier is not None
+    first = {n: coord.tier.store.handle(n)._actor_id for n, _ in coord.tier.holders}
+    coord.close()
+
+    small = config(s3_folder.url, opts, fingerprint="A", memory_budget_bytes=100_000)
+    coord = CheckpointCoordinator(small)  # the same run: finds the holders and step 1
+    assert coord.tier is not None and coord.tier.steps() == [1]
+    coord.register("replay", actor)
+    with pytest.raises(CheckpointSaveError) as e:
+        await coord.save(2)
+    msg = str(e.value)
+    assert "does not fit" in msg and "CheckpointConfig.memory_budget_bytes" in msg, msg
+    assert coord.tier.steps() == [1] and committed_steps(s3_folder.url, opts) == []
+    coord.close()
+
+    with caplog.at_level(logging.WARNING, logger="forge_ckpt"):
+        coord = CheckpointCoordinator(config(s3_folder.url, opts, fingerprint="B"))
+    assert caplog.text.count("retiring memory holder") == 3
+    assert coord.tier is not None and coord.tier.steps() == []
+    now = {n: coord.tier.store.handle(n)._actor_id for n, _ in coord.tier.holders}
+    assert now.keys() == first.keys() and all(now[n] != first[n] for n in now)
+    coord.register("replay", actor)
+    assert await coord.load() is None
+    coord.tier.shutdown()
+    coord.close()
+
+
+def test_load_candidates_order():
+    """Newest first, memory before durable for one step; durable falls back only if asked."""
+    assert candidates([2, 3], [1, 2], None, False) == [(True, 3), (True, 2), (False, 2)]
+    assert candidates([3], [1, 2], None, True) == [(True, 3), (False, 2), (False, 1)]
+    assert candidates([2, 3], [2], 2, False) == [(True, 2), (False, 2)]
+
+
+def test_config_refuses_what_phase_1_does_not_do():
+    with pytest.raises(ValueError, match="memory_every=1"):
+        CheckpointConfig(folder="mem://run")  # the folder is the durable tier
+    with pytest.raises(ValueError, match="memory_every must be 0"):
+        CheckpointConfig(folder="/tmp/x", memory_every=5)
+    with pytest.raises(ValueError, match="memory_copies"):
+        CheckpointConfig(folder="/tmp/x", memory_every=1, memory_copies=0)
+    with pytest.raises(ValueError, match="lists the holders"):
+        open_storage("mem://run")
+
+
+if __name__ == "__main__":
+    address, folder, out, phase = sys.argv[1:5]
+    asyncio.run(drive(address, folder, json.loads(os.environ["S3_OPTIONS"]), out, phase))
