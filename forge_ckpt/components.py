@@ -176,6 +176,10 @@ class Group:
     kind = "actor"
     members = "replicas"
 
+    def keep_fresh(self) -> str:
+        """How to load a checkpoint that lacks this component."""
+        return f"register({self.name!r}, ..., optional=True)"
+
     def __init__(
         self,
         name: str,
@@ -284,6 +288,9 @@ class TrainerGroup(Group):
     kind = "trainer"
     members = "trainer ranks"
 
+    def keep_fresh(self) -> str:
+        return f"load(exclude=[{self.name!r}])"
+
     def differences(self, saved: layout.Component) -> list[str]:
         return []  # any world size loads; see plan()
 
@@ -328,14 +335,9 @@ def differences(
                 f"load(exclude=[{name!r}]) to leave it out"
             )
         elif name not in saved and not groups[name].optional:
-            keep = (
-                f"load(exclude=[{name!r}])"
-                if name == layout.TRAINER
-                else f"register({name!r}, ..., optional=True)"
-            )
             diffs.append(
-                f"{name}: registered but not in the checkpoint (step {step}); {keep} keeps "
-                "its fresh state"
+                f"{name}: registered but not in the checkpoint (step {step}); "
+                f"{groups[name].keep_fresh()} keeps its fresh state"
             )
         elif name in saved:
             diffs += groups[name].differences(saved[name])

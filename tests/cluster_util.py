@@ -16,6 +16,7 @@ import os
 import sys
 import time
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -105,6 +106,17 @@ def connect(nodes: Nodes) -> None:
         logging_level="WARNING",
         runtime_env={"env_vars": NODE_ENV},
     )
+
+
+def driving_cluster(s3_server: Any, tmp_path_factory: Any) -> Iterator[Nodes]:
+    """A test module's cluster, this process its driver; every node gets the S3 server's
+    AWS_* env. Wrapped as a module-scoped fixture by each module that uses it."""
+    nodes = start_cluster(str(tmp_path_factory.mktemp("nodes")), s3_server.env())
+    connect(nodes)
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    yield nodes
+    ray.shutdown()
+    nodes.cluster.shutdown()
 
 
 def busiest_worker(nodes: Nodes) -> str | None:

@@ -39,15 +39,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 CONFIG = os.path.join(HERE, "..", "configs", "grpo_test.yaml")
 
 
-@pytest.fixture(scope="module")
-def nodes(s3_server, tmp_path_factory):
-    """The cluster; this process is its driver. Every node gets the S3 server's AWS_* env."""
-    nodes = cu.start_cluster(str(tmp_path_factory.mktemp("nodes")), s3_server.env())
-    cu.connect(nodes)
-    ray.cloudpickle.register_pickle_by_value(cu)
-    yield nodes
-    ray.shutdown()
-    nodes.cluster.shutdown()
+nodes = pytest.fixture(scope="module", name="nodes")(cu.driving_cluster)
 
 
 def env_with(s3_folder) -> dict[str, str]:

@@ -42,14 +42,7 @@ from forge_ckpt.storage import open_storage  # noqa: E402
 HERE = os.path.abspath(__file__)
 
 
-@pytest.fixture(scope="module")
-def nodes(s3_server, tmp_path_factory):
-    nodes = cu.start_cluster(str(tmp_path_factory.mktemp("nodes")), s3_server.env())
-    cu.connect(nodes)
-    ray.cloudpickle.register_pickle_by_value(cu)
-    yield nodes
-    ray.shutdown()
-    nodes.cluster.shutdown()
+nodes = pytest.fixture(scope="module", name="nodes")(cu.driving_cluster)
 
 
 def config(folder: str, options: dict, **kw: Any) -> CheckpointConfig:

@@ -91,7 +91,8 @@ def chaos_hook(job: Any, step: int) -> None:
     import ray
 
     _killed.add(spec)
-    handle = job.ranks[0] if name == "trainer" else getattr(job, name)
+    first = {"trainer": job.ranks[0], "dataset": job.datasets[0]}  # rank 0, replica 0
+    handle = first[name] if name in first else getattr(job, name)
     print(f"chaos: killing {name} after step {step}", flush=True)
     ray.kill(handle, no_restart=True)
 

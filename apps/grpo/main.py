@@ -105,7 +105,6 @@ class Job:
             dataset_cls.remote(seed, task, cfg["dataset"], batch, k, replicas)
             for k in range(replicas)
         ]
-        self.dataset = self.datasets[0]
         self.policy = ray.remote(Policy).options(**opts).remote(seed, task, model, cfg["policy"])
         self.reward = ray.remote(RewardActor).options(**opts).remote(seed)
         self.replay = ray.remote(ReplayBuffer).options(**opts).remote(seed, cfg["replay"], task)

@@ -72,7 +72,7 @@ def recoverable(e: BaseException) -> bool:
 def job_actors(job: Any) -> dict[str, Any]:
     """Every actor of the job by a readable name."""
     named = {f"actor {n!r}": getattr(job, n) for n in ("policy", "reward", "replay")}
-    datasets = getattr(job, "datasets", None) or [job.dataset]
+    datasets = job.datasets
     if len(datasets) == 1:
         named["actor 'dataset'"] = datasets[0]
     else:
