@@ -61,8 +61,12 @@ class BenchActor(Checkpointable):
 
     # The protocol methods, timed (they are what the coordinator calls through Ray).
 
-    def forge_begin_save(self, step_dir: str, relpath: str, background: bool) -> int:
-        return timed_call("begin_save", super().forge_begin_save, step_dir, relpath, background)
+    def forge_begin_save(
+        self, step_dir: str, relpath: str, background: bool, defer: bool = False
+    ) -> int:
+        return timed_call(
+            "begin_save", super().forge_begin_save, step_dir, relpath, background, defer
+        )
 
     def forge_prepare_load(
         self, step_dir: str, records: list[dict], verify: bool, options: dict

@@ -22,6 +22,7 @@ from .errors import (  # noqa: E402
     InvalidNameError,
     NotSerializableError,
 )
+from .immutable import Immutable, immutable  # noqa: E402
 from .remote_errors import describe as describe_failure  # noqa: E402
 from .remote_errors import is_lost  # noqa: E402
 from .reshard import ReshardRule  # noqa: E402
@@ -37,6 +38,7 @@ __all__ = [
     "CheckpointSaveError",
     "CheckpointSignatureError",
     "Checkpointable",
+    "Immutable",
     "InvalidNameError",
     "LoadResult",
     "NotSerializableError",
@@ -47,6 +49,7 @@ __all__ = [
     "TrainerMixin",
     "committed_steps",
     "describe_failure",
+    "immutable",
     "is_lost",
     "pending_steps",
     "reshard",
@@ -65,10 +68,14 @@ def committed_steps(folder: str, storage_options: dict[str, Any] | None = None) 
 
 def __getattr__(name: str):
     # The trainer integration imports torchtitan (seconds); only pay for it when used.
-    if name in ("TrainerCheckpointer", "TrainerMixin", "spawn_trainer_ranks"):
+    if name == "TrainerCheckpointer":
         from . import trainer
 
-        return getattr(trainer, name)
+        return trainer.TrainerCheckpointer
+    if name in ("TrainerMixin", "spawn_trainer_ranks"):
+        from . import trainer_actor
+
+        return getattr(trainer_actor, name)
     raise AttributeError(name)
 
 

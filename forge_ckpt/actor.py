@@ -103,9 +103,14 @@ class Checkpointable:
     def validate_state_dict(self, state: Any) -> list[str] | None:
         return None
 
-    def forge_begin_save(self, where: StorageSpec, relpath: str, background: bool) -> dict:
+    def forge_begin_save(
+        self, where: StorageSpec, relpath: str, background: bool, defer: bool = False
+    ) -> dict:
         """Snapshot now; write now (sync) or in a thread (background). Returns the snapshot's
-        size and, when the write is already done (sync), the written file's record."""
+        size and, when the write is already done (sync), the written file's record. `defer`
+        changes nothing here: the snapshot is this call, the actor's next call runs after it
+        (the parts the state marks `immutable` are not copied, see serialization)."""
+        del defer
         pending = getattr(self, "_forge_write", None)
         if pending is not None and not pending.join(0):
             raise RuntimeError(f"{type(self).__name__}: the previous background write still runs")

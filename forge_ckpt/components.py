@@ -19,6 +19,7 @@ import asyncio
 import logging
 import posixpath
 from abc import ABC, abstractmethod
+from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,8 +47,12 @@ class Unit(ABC):
     label: str = ""
 
     @abstractmethod
-    async def begin(self, where: StorageSpec, background: bool) -> int:
-        """Take the snapshot and start (or, unless `background`, finish) its write; its size."""
+    def begin(self, where: StorageSpec, background: bool, defer: bool = False) -> Awaitable[int]:
+        """Submit the snapshot call now (Ray runs an actor's calls from this driver in the
+        order submitted, so whatever the driver sends the actor later runs after the cut);
+        awaiting the result gives the snapshot's size once taken and its write started (or,
+        unless `background`, finished). `defer`: a trainer rank copies its state in the
+        background and its next optimizer step waits for that copy (the stall-free cut)."""
 
     @abstractmethod
     async def status(self) -> list[FileRecord] | None:
@@ -78,9 +83,14 @@ class RemoteUnit(Unit):
 
     _files: list[FileRecord] | None = None  # reported by a synchronous begin
 
-    async def begin(self, where: StorageSpec, background: bool) -> int:
+    def begin(self, where: StorageSpec, background: bool, defer: bool = False) -> Awaitable[int]:
         self._files = None
-        res = await self.handle.forge_begin_save.remote(where, self.relpath, background)
+        return self._begun(
+            self.handle.forge_begin_save.remote(where, self.relpath, background, defer)
+        )
+
+    async def _begun(self, ref: Any) -> int:
+        res = await ref
         # A synchronous write reports its files with the size: no second round trip (with
         # many actors, one round of calls to all of them costs tens of milliseconds).
         files = res.get("files")
@@ -118,8 +128,11 @@ class PlainUnit(Unit):
     _write: asyncio.Task | None = None
     _staged: Any = None
 
-    async def begin(self, where: StorageSpec, background: bool) -> int:
-        state = await self.handle.state_dict.remote()
+    def begin(self, where: StorageSpec, background: bool, defer: bool = False) -> Awaitable[int]:
+        return self._begun(self.handle.state_dict.remote(), where, background)
+
+    async def _begun(self, ref: Any, where: StorageSpec, background: bool) -> int:
+        state = await ref
         # The object arrived through Ray: it is already a private copy, no snapshot copy needed.
         snap = serialization.snapshot(wrap_state(state), name=self.name, copy=False)
         self._write = asyncio.create_task(asyncio.to_thread(self._persist, snap, where))

@@ -28,7 +28,10 @@ class CheckpointConfig:
         machine blocks the folder at most this long (on this machine: not at all).
     keep_last / keep_every: retention; `keep_last=None` keeps everything.
     async_mode: "sync" blocks `save()` until the commit; "async" returns once every component
-        holds an in-memory snapshot and persists in the background.
+        holds an in-memory snapshot and persists in the background; "deferred" (the
+        stall-free cut) returns once every snapshot call is submitted: actors snapshot before
+        any later call of the driver runs, and a trainer rank copies its state while the loop
+        goes on, its next optimizer step waiting only if that copy is unfinished.
     save_timeout_s / load_timeout_s: a component that takes longer is treated as failed.
     abort_timeout_s: after a failed save, how long each unit may take to stop its write.
     digest: a cryptographic digest of every file in the manifest, computed while writing and
@@ -57,7 +60,7 @@ class CheckpointConfig:
     folder: str
     keep_last: int | None = 3
     keep_every: int | None = None
-    async_mode: Literal["sync", "async"] = "sync"
+    async_mode: Literal["sync", "async", "deferred"] = "sync"
     save_timeout_s: float = 600.0
     load_timeout_s: float = 600.0
     verify_on_load: bool = True
@@ -84,8 +87,10 @@ class CheckpointConfig:
                 f"folder={self.folder!r}: the folder is the durable tier; the memory tier is "
                 "turned on with memory_every=1 (docs/tiers.md)"
             )
-        if self.async_mode not in ("sync", "async"):
-            raise ValueError(f"async_mode must be 'sync' or 'async', got {self.async_mode!r}")
+        if self.async_mode not in ("sync", "async", "deferred"):
+            raise ValueError(
+                f"async_mode must be 'sync', 'async' or 'deferred', got {self.async_mode!r}"
+            )
         if self.keep_last is not None and self.keep_last < 1:
             raise ValueError(f"keep_last must be >= 1 or None, got {self.keep_last}")
         if self.keep_every is not None and self.keep_every < 1:

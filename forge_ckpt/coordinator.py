@@ -36,7 +36,7 @@ from .lock import Lease
 from .memory.choose import TIER
 from .memory.choose import candidates as load_candidates
 from .memory.tier import open_tier
-from .remote_errors import describe, failure_error, save_error
+from .remote_errors import describe, gather_units, save_error
 from .reshard import ReshardRule
 from .storage import FileRecord, Storage, StorageSpec, open_storage
 
@@ -132,14 +132,21 @@ class CheckpointCoordinator:
 
     # ---- save ---------------------------------------------------------------------------
 
-    async def save(self, step: int, extra: Any = None) -> SaveResult:
+    async def save(
+        self, step: int, extra: Any = None, *, durable: bool | None = None
+    ) -> SaveResult:
         """Save every component at `step` and commit. Sync mode: returns after the commit.
-        Async mode: returns once every component holds its snapshot; `wait()` flushes."""
+        Async mode: returns once every component holds its snapshot; `wait()` flushes.
+        Deferred mode: returns once every snapshot call is submitted (the cut: Ray runs the
+        driver's later calls to each actor after it); a trainer rank's copy runs meanwhile
+        and its next optimizer step waits for it. With the memory tier, `durable` says
+        whether this step is also persisted (default: every `durable_every`-th save)."""
         await self.wait(persisting=False)
         self._check_open()
         store, spec = self._target(self.tier is not None)
         where = spec.child(layout.step_name(step))
-        background = self.config.async_mode == "async"
+        mode = self.config.async_mode
+        background, defer = mode != "sync", mode == "deferred"
         start = time.perf_counter()
         try:
             if await asyncio.to_thread(self._skip_or_branch, step, store):
@@ -150,18 +157,30 @@ class CheckpointCoordinator:
             lines = [f"preparing the step: {describe(e)}"]
             raise save_error(self._newest(), step, lines) from e
         units = self._units()
-        try:
-            nbytes = await self._all(units, lambda u: u.begin(where, background), step, "snapshot")
-        except BaseException as e:
-            await self._abort(units, step, e, store)
-            raise
-        result = SaveResult(step, where.url, sum(nbytes), blocked_s=time.perf_counter() - start)
-        finish = self._finish_save(result, units, start, extra, store)
+        calls = [u.begin(where, background, defer) for u in units]  # submitted: the cut
+        begun = self._snapshots(units, calls, step, store)
+        result = SaveResult(step, where.url)
+        if not defer:
+            result.nbytes = await begun
+        result.blocked_s = time.perf_counter() - start
+        finish = self._finish_save(
+            result, units, (start, durable), extra, store, begun if defer else None
+        )
         if not background:
             return await finish
         self._pending = asyncio.create_task(finish)
         self._pending.add_done_callback(_log_background_failure)
         return result
+
+    async def _snapshots(
+        self, units: list[Unit], calls: list[Awaitable], step: int, store: Storage
+    ) -> int:
+        """The snapshots' total size (their calls are already submitted); a failure aborts."""
+        try:
+            return sum(await self._all(units, None, step, "snapshot", calls))
+        except BaseException as e:
+            await self._abort(units, step, e, store)
+            raise
 
     def _target(self, memory: bool) -> tuple[Storage, StorageSpec]:
         """The memory tier's storage or the durable folder's."""
@@ -189,8 +208,17 @@ class CheckpointCoordinator:
         return False
 
     async def _finish_save(
-        self, result: SaveResult, units: list[Unit], start: float, extra: Any, store: Storage
+        self,
+        result: SaveResult,
+        units: list[Unit],
+        timing: tuple[float, bool | None],
+        extra: Any,
+        store: Storage,
+        begun: Awaitable[int] | None = None,
     ) -> SaveResult:
+        start, durable = timing
+        if begun is not None:  # deferred: the snapshots were awaited by nobody yet
+            result.nbytes = await begun
         try:
             records = await self._persisted(units, result, start)
             manifest = self._manifest(result.step, records, result.seconds, extra)
@@ -207,7 +235,8 @@ class CheckpointCoordinator:
             "committed step %d: %.1f MB in %.2fs", result.step, result.nbytes / 1e6, result.total_s
         )
         if self.tier is not None and store is self.tier.store:  # maybe persisted, later
-            await self.tier.committed(manifest, self.store, self._commit, self._retention)
+            persist = (self._commit, self._retention)
+            await self.tier.committed(manifest, self.store, persist, durable)
         else:
             await self._retention()
         return result
@@ -418,24 +447,11 @@ class CheckpointCoordinator:
         """Run one call per unit at once (trainer ranks' calls are collectives: never in
         sequence); any failure becomes one error naming every failed unit."""
         knob = "load_timeout_s" if phase == "load" else "save_timeout_s"
-        timeout = getattr(self.config, knob)
         aws = calls if calls is not None else [call(u) for u in units]  # type: ignore[misc]
-        tasks = [asyncio.ensure_future(a) for a in aws]
-        done, pending = await asyncio.wait(tasks, timeout=timeout) if tasks else (set(), set())
-        for t in pending:
-            t.cancel()
-        failures: list[tuple[str, BaseException]] = []
-        for u, t in zip(units, tasks, strict=True):
-            if t in pending:
-                late = f"no answer within {timeout:.0f}s (CheckpointConfig.{knob})"
-                failures.append((u.label, TimeoutError(late)))
-            elif t.exception() is not None:
-                failures.append((u.label, t.exception()))  # type: ignore[arg-type]
-        if failures:
-            err = failure_error(self._newest(), step, phase, failures)
-            err.failed_units = {label for label, _ in failures}  # type: ignore[attr-defined]
-            raise err
-        return [t.result() for t in tasks]
+        labels = [u.label for u in units]
+        return await gather_units(
+            labels, aws, (getattr(self.config, knob), knob), phase, step, self._newest
+        )
 
     # ---- lifetime -----------------------------------------------------------------------
 

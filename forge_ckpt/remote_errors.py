@@ -9,8 +9,11 @@ whose actor, worker or node is gone reads as such ("lost (its node died: ...)"),
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import traceback
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
 
 from .errors import CheckpointError, CheckpointSaveError
 
@@ -134,3 +137,33 @@ def failure_error(
     err.lost = lost  # type: ignore[attr-defined]  # the units whose actor or node is gone
     err.__cause__ = failures[0][1]
     return err
+
+
+async def gather_units(
+    labels: list[str],
+    calls: Sequence[Awaitable],
+    limit: tuple[float, str],
+    phase: str,
+    step: int,
+    newest: Callable[[], Any],
+) -> list:
+    """Await one call per unit at once, each within `limit` (seconds, and the config knob a
+    timeout names); any failure becomes one error naming every failed unit, with
+    `failed_units` (their labels) for the abort, which must not wait on them."""
+    timeout, knob = limit
+    tasks = [asyncio.ensure_future(a) for a in calls]
+    done, pending = await asyncio.wait(tasks, timeout=timeout) if tasks else (set(), set())
+    for t in pending:
+        t.cancel()
+    failures: list[tuple[str, BaseException]] = []
+    for label, t in zip(labels, tasks, strict=True):
+        if t in pending:
+            late = f"no answer within {timeout:.0f}s (CheckpointConfig.{knob})"
+            failures.append((label, TimeoutError(late)))
+        elif t.exception() is not None:
+            failures.append((label, t.exception()))  # type: ignore[arg-type]
+    if failures:
+        err = failure_error(newest(), step, phase, failures)
+        err.failed_units = {label for label, _ in failures}  # type: ignore[attr-defined]
+        raise err
+    return [t.result() for t in tasks]

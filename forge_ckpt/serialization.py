@@ -52,6 +52,7 @@ import numpy as np
 import torch
 
 from .errors import CheckpointCorruptError, NotSerializableError
+from .immutable import Immutable
 from .storage import FileRecord, Storage, Writer, open_storage
 
 MAGIC = b"FCKPT\x00\x01\n"
@@ -105,26 +106,29 @@ class _Encoder:
         )
         self.blobs: list[tuple[int, memoryview]] = []
         self.end = 0  # bytes used in the data section
+        self.frozen = False  # inside an `Immutable`: its blobs are referenced, never copied
 
     def err(self, path: tuple | None, problem: str) -> NotSerializableError:
         return NotSerializableError(_where(self.name, path), problem)
 
     def run(self, state: Any) -> None:
-        stack: list = []  # frames: (iterator, path, depth, is_map)
-        self.value(state, None, 0, stack)
+        stack: list = []  # frames: (iterator, path, depth, is_map, frozen)
+        self.value(state, None, 0, stack, False)
         while stack:
-            it, path, depth, is_map = stack[-1]
+            it, path, depth, is_map, frozen = stack[-1]
             for comp, val in it:
                 if is_map:
                     self.key(comp, path, depth)
-                if self.value(val, (path, comp), depth, stack):
+                if self.value(val, (path, comp), depth, stack, frozen):
                     break  # descend into the container just pushed; resume `it` later
             else:
                 stack.pop()
 
-    def value(self, obj: Any, path: tuple | None, depth: int, stack: list) -> bool:
+    def value(self, obj: Any, path: tuple | None, depth: int, stack: list, frozen: bool) -> bool:
         """Pack `obj`; for a container, pack its header and push a frame (returns True)."""
         t = type(obj)
+        if t is Immutable:
+            return self.value(obj.value, path, depth, stack, True)
         if t in _PLAIN or t is bytearray:
             try:
                 self.packer.pack(bytes(obj) if t is bytearray else obj)
@@ -146,10 +150,11 @@ class _Encoder:
                 self.packer.pack(_TUPLE_EXT)
             else:
                 self.packer.pack_map_header(len(obj))
-                stack.append((iter(obj.items()), path, depth + 1, True))
+                stack.append((iter(obj.items()), path, depth + 1, True, frozen))
                 return True
-            stack.append((enumerate(obj), path, depth + 1, False))
+            stack.append((enumerate(obj), path, depth + 1, False, frozen))
             return True
+        self.frozen = frozen
         self.leaf(obj, path)
         return False
 
@@ -217,7 +222,7 @@ class _Encoder:
     ) -> None:
         """Record a blob; copy its bytes only when the snapshot must not see later mutation."""
         # Any: numpy's stubs declare ndarray.__buffer__ only for Python >= 3.12.
-        arr: Any = raw if owned or not self.copy else raw.copy()
+        arr: Any = raw if owned or not self.copy or self.frozen else raw.copy()
         data = memoryview(arr)
         off = _align(self.end)
         self.end = off + data.nbytes

@@ -25,14 +25,13 @@ unpickled only through an allowlist (`dcp_metadata`), so a hostile file cannot r
 from __future__ import annotations
 
 import logging
-import os
 import re
-import socket
-from collections.abc import Generator
+import threading
+import time
+from collections.abc import Callable, Generator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -42,6 +41,7 @@ import torch.nn as nn
 from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torchtitan.components.checkpointer import (
     DATALOADER,
     LR_SCHEDULER,
@@ -132,15 +132,35 @@ class TrainerCheckpointer:
         self._staged: _StagedLoad | None = None
         self._aborted: Future | None = None
         self.write_threads = write_threads
+        self._copied = threading.Event()  # clear while a deferred snapshot copy runs
+        self._copied.set()
+        self.stall_s = 0.0  # total time optimizer steps waited for a deferred copy
+        self._hook = register_optimizer_step_pre_hook(self._before_step(optimizers))
+
+    def _before_step(self, optimizers: OptimizersContainer) -> Callable[..., None]:
+        """A global pre-step hook: it runs before the optimizers' own pre-step hooks (one of
+        TorchTitan's changes MoE biases), for this trainer's container and its optimizers."""
+        mine = {id(optimizers), *(id(o) for o in getattr(optimizers, "optimizers", []))}
+
+        def hook(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+            if id(opt) in mine:
+                self.wait_for_snapshot()
+
+        return hook
 
     # ---- save -------------------------------------------------------------------------------
 
-    def begin_save(self, where: StorageSpec | str, background: bool = False) -> int:
+    def begin_save(
+        self, where: StorageSpec | str, background: bool = False, defer: bool = False
+    ) -> int:
         """Take the snapshot; write it now (sync) or in a thread (background).
 
         Returns the snapshot's size in bytes (this rank's tensors and rank file). In background
         mode the snapshot is a CPU copy made before returning (buffers reused between saves),
-        so the training step that follows cannot change what is written.
+        so the training step that follows cannot change what is written. With `defer` the
+        copy runs in the writer thread too, and the next optimizer step (or load) waits for
+        it first (`wait_for_snapshot`): the cut stays exact and the loop stalls only if the
+        copy takes longer than what runs before that step (a rollout, forward and backward).
         """
         self._join_aborted()
         if self._future is not None:
@@ -156,12 +176,40 @@ class TrainerCheckpointer:
         if not background:
             self._records = self._write(store, state, rank_snap, None)
             return _tensor_bytes(state) + rank_snap.nbytes
-        staged = self._stage(state)
         pg = self._background_pg()
         if self._executor is None:
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="forge-ckpt-trainer")
+        if defer:
+            self._copied.clear()
+            self._future = self._executor.submit(self._copy_and_write, store, state, rank_snap, pg)
+            return _tensor_bytes(state) + rank_snap.nbytes
+        staged = self._stage(state)
         self._future = self._executor.submit(self._write, store, staged, rank_snap, pg)
         return _tensor_bytes(staged) + rank_snap.nbytes
+
+    def _copy_and_write(
+        self,
+        store: Storage,
+        state: dict[str, Any],
+        rank_snap: serialization.Snapshot,
+        pg: dist.ProcessGroup,
+    ) -> list[dict]:
+        try:
+            staged = self._stage(state)
+        finally:
+            self._copied.set()  # a failed copy fails the save; it must not block training
+        return self._write(store, staged, rank_snap, pg)
+
+    def wait_for_snapshot(self) -> float:
+        """Block until a deferred snapshot copy is complete (called before anything changes
+        the weights or the optimizer state); the seconds waited, added to `stall_s`."""
+        if self._copied.is_set():
+            return 0.0
+        t0 = time.perf_counter()
+        self._copied.wait()
+        waited = time.perf_counter() - t0
+        self.stall_s += waited
+        return waited
 
     def save_status(self) -> list[dict] | None:
         """None while a background save runs; then this rank's FileRecord dicts (paths relative
@@ -316,6 +364,7 @@ class TrainerCheckpointer:
     def apply_load(self) -> None:
         """Load the prepared step into model, optimizer (unless excluded), LR schedule and
         states with DCP (a collective), then restore this rank's RNG streams."""
+        self.wait_for_snapshot()  # the load must not change what a deferred copy reads
         staged = self._staged
         if staged is None:
             raise CheckpointError(f"trainer rank {self.rank}: apply_load without prepare_load")
@@ -351,7 +400,8 @@ class TrainerCheckpointer:
         self._staged = None
 
     def close(self) -> None:
-        """Wait for a background write and release the save thread and process group."""
+        """Wait for a background write and release the save thread, hook and process group."""
+        self._hook.remove()
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
@@ -390,93 +440,3 @@ def _tensor_bytes(obj: Any) -> int:
     if isinstance(obj, (list, tuple)):
         return sum(_tensor_bytes(v) for v in obj)
     return 0
-
-
-class TrainerMixin:
-    """Mixin for a Ray trainer actor: the forge protocol, delegated to `self.checkpointer`.
-
-    The actor creates `self.checkpointer = TrainerCheckpointer(...)` in its own setup, after
-    `spawn_trainer_ranks` has initialized the process group.
-    """
-
-    checkpointer: TrainerCheckpointer
-
-    def forge_world_info(self) -> dict[str, int]:
-        if not dist.is_initialized():
-            return {"rank": 0, "world_size": 1}
-        return {"rank": dist.get_rank(), "world_size": dist.get_world_size()}
-
-    def forge_begin_save(self, where: StorageSpec, relpath: str, background: bool) -> dict:
-        """The snapshot's size and, after a synchronous write, this rank's file records."""
-        del relpath  # trainer ranks name their own files
-        nbytes = self.checkpointer.begin_save(where, background)
-        files = None if background else self.checkpointer.save_status()
-        return {"nbytes": nbytes, "files": files}
-
-    def forge_save_status(self) -> list[dict] | None:
-        return self.checkpointer.save_status()
-
-    def forge_abort_save(self, timeout_s: float = 60.0) -> bool:
-        return self.checkpointer.abort_save(timeout_s)
-
-    def forge_prepare_load(
-        self, where: StorageSpec, records: list[dict], verify: bool, options: dict
-    ) -> None:
-        self.checkpointer.prepare_load(
-            where,
-            records,
-            verify=verify,
-            load_optimizer=options.get("load_optimizer", True),
-            rank_file=options.get("rank_file"),
-            saved_rank=options.get("saved_rank"),
-        )
-
-    def forge_apply_load(self) -> None:
-        self.checkpointer.apply_load()
-
-    def forge_abort_load(self) -> None:
-        self.checkpointer.abort_load()
-
-    def forge_free_endpoint(self) -> tuple[str, int]:
-        """This node's address and a free TCP port for the rendezvous (rank 0 is asked)."""
-        import ray
-
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind(("", 0))
-            port = s.getsockname()[1]
-        return ray.util.get_node_ip_address(), port
-
-    def forge_init_distributed(
-        self, rank: int, world_size: int, addr: str, port: int, timeout_s: float | None = None
-    ) -> None:
-        """Join the trainer's gloo process group (a rendezvous: all ranks at once)."""
-        host = f"[{addr}]" if ":" in addr else addr
-        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK="0")
-        os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port))
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://{host}:{port}",
-            timeout=None if timeout_s is None else timedelta(seconds=timeout_s),  # None: default
-            rank=rank,
-            world_size=world_size,
-        )
-
-
-def spawn_trainer_ranks(actor_cls: Any, world_size: int, *args: Any, **kwargs: Any) -> list:
-    """Start `world_size` rank actors of a `@ray.remote` TrainerMixin class (or its
-    `.options(...)`) and join them in one process group; returns the handles in rank order.
-
-    The init calls are gathered, never sequential: the rendezvous waits for every rank.
-    """
-    import ray
-
-    actors = [actor_cls.remote(*args, **kwargs) for _ in range(world_size)]
-    ranks = list(enumerate(actors))
-    try:
-        addr, port = ray.get(actors[0].forge_free_endpoint.remote())
-        ray.get([a.forge_init_distributed.remote(r, world_size, addr, port) for r, a in ranks])
-    except BaseException:
-        for a in actors:
-            ray.kill(a)
-        raise
-    return actors

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import random
 import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -22,7 +23,8 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from forge_ckpt import rng
-from forge_ckpt.trainer import TrainerCheckpointer, TrainerMixin
+from forge_ckpt.trainer import TrainerCheckpointer
+from forge_ckpt.trainer_actor import TrainerMixin
 
 
 def build_model(seed: int = 0) -> nn.Module:
@@ -174,6 +176,22 @@ class TrainerRank(TrainerMixin):
 
     def release_background_writes(self) -> None:
         self._gate.set()
+
+    def slow_snapshot_copies(self, seconds: float) -> None:
+        """Make every deferred snapshot copy take `seconds` longer (before it reads anything),
+        so a training step certainly arrives while the copy still runs."""
+        buffers = self.checkpointer._snapshot
+        original = type(buffers).copy
+
+        def slow(state: Any) -> Any:
+            time.sleep(seconds)
+            return original(buffers, state)
+
+        buffers.copy = slow
+
+    def stall_s(self) -> float:
+        """How long this rank's optimizer steps waited for a deferred snapshot copy."""
+        return self.checkpointer.stall_s
 
 
 class StockLoader:

@@ -33,10 +33,10 @@ def install(phase: str) -> None:
     real_create, real_delete_prefix = LocalStorage.create, LocalStorage.delete_prefix
     seen_files: list[str] = []
 
-    async def begin(self, step_dir, background):
+    async def begin(self, step_dir, background, defer=False):
         if phase == "before_trainer_write" and self.name == "trainer":
             die()
-        return await real_begin(self, step_dir, background)
+        return await real_begin(self, step_dir, background, defer)
 
     async def status(self):
         recs = await real_status(self)

@@ -28,7 +28,7 @@ import _trainer_model  # noqa: E402
 from forge_ckpt import layout, serialization  # noqa: E402
 from forge_ckpt.errors import CheckpointCorruptError, CheckpointError  # noqa: E402
 from forge_ckpt.storage import FileRecord, open_storage  # noqa: E402
-from forge_ckpt.trainer import spawn_trainer_ranks  # noqa: E402
+from forge_ckpt.trainer_actor import spawn_trainer_ranks  # noqa: E402
 
 
 @pytest.fixture(scope="module")
