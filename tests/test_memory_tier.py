@@ -123,6 +123,30 @@ async def test_node_loss_memory_then_durable(nodes, s3_folder, caplog):
         nodes.restore()
 
 
+async def test_a_node_that_joins_later_gets_a_holder(nodes, s3_folder):
+    """A replacement node gets a holder at the next save, and the save after places copies
+    on it: the job is back to `copies` copies on other nodes without a restart."""
+    coord = CheckpointCoordinator(config(s3_folder.url, s3_folder.options, durable_every=100))
+    actor = cu.Buffer.options(**cu.on("head")).remote(0)
+    coord.register("dataset", actor)
+    try:
+        nodes.remove("node_b")
+        nodes.restore()  # a new node_b: no holder of this run on it yet
+        await coord.save(1)  # the head's file: node_a and, short of nodes, the head itself
+        assert (await asyncio.to_thread(copies, coord, nodes, 1))["actors/dataset.0.msgpack"] == {
+            "node_a",
+            "head",
+        }
+        await coord.save(2)
+        assert (await asyncio.to_thread(copies, coord, nodes, 2))["actors/dataset.0.msgpack"] == {
+            "node_a",
+            "node_b",
+        }
+    finally:
+        coord.close()
+        nodes.restore()
+
+
 async def drive(address: str, folder: str, options: dict, out: str, phase: str) -> None:
     """A driver process: "first" saves steps 1-3 then waits to be killed; "resume" loads."""
     ray.init(address=address, logging_level="WARNING", runtime_env={"env_vars": cu.NODE_ENV})

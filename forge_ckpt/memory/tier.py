@@ -52,28 +52,45 @@ class MemoryTier:
         self.run_id = run_id_of(config.folder)
         self.fingerprint = str(config.fingerprint or "")
         self.namespace = str(config.memory_namespace)
-        holders = self._start_holders()
+        self._use(self._start_holders(_alive_nodes()))
+        self.saves = 0
+        self._persisting: asyncio.Task | None = None
+        self._checked_nodes = time.monotonic()
+        commit.remove_uncommitted(self.store)  # a crashed driver's half-saved memory step
+
+    def _use(self, holders: list[HolderRef]) -> None:
+        """The storage spec the units get: it names the holders to place copies on."""
         options: dict[str, Any] = {
             "holders": tuple(holders),
-            "copies": config.memory_copies,
+            "copies": self.config.memory_copies,
             "namespace": self.namespace,
         }
-        digest = config.storage.options.get("digest")
+        digest = self.config.storage.options.get("digest")
         if digest is not None:
             options["digest"] = digest
         self.spec = StorageSpec(f"mem://{self.run_id}", options)
         self.store: MemoryStorage = open_storage(self.spec)  # type: ignore[assignment]
         self.holders: list[HolderRef] = holders
-        self.saves = 0
-        self._persisting: asyncio.Task | None = None
-        commit.remove_uncommitted(self.store)  # a crashed driver's half-saved memory step
+
+    def add_new_nodes(self, every_s: float = 2.0) -> list[str]:
+        """Start holders on nodes that joined since (a replacement for a lost node), at most
+        every `every_s`; the next save places copies on them too. Their ids, if any."""
+        if time.monotonic() - self._checked_nodes < every_s:
+            return []
+        self._checked_nodes = time.monotonic()
+        known = {node for _, node in self.holders}
+        new = [n for n in _alive_nodes() if n not in known]
+        if new:
+            self._use([*self.holders, *self._start_holders(new)])
+            log.info("memory tier: holders started on new nodes %s", [n[:8] for n in new])
+        return new
 
     # ---- holders -----------------------------------------------------------------------
-    def _start_holders(self) -> list[HolderRef]:
+    def _start_holders(self, nodes: list[str]) -> list[HolderRef]:
         if not ray.is_initialized():
             raise CheckpointError("the memory tier needs Ray: call ray.init() first")
         refs = []
-        for node in _alive_nodes():
+        for node in nodes:
             name = holder_name(self.run_id, node)
             self._retire_foreign(name)
             try:
@@ -163,15 +180,18 @@ class MemoryTier:
         self,
         manifest: layout.Manifest,
         durable: Storage,
-        commit_fn: Callable[[layout.Manifest], None],
-        retention: Callable[[], Awaitable[None]],
+        persist: tuple[Callable[[layout.Manifest], None], Callable[[], Awaitable[None]]],
+        due: bool | None = None,
     ) -> None:
-        """Memory retention; every `durable_every`-th save also goes to the durable folder,
-        in the background (one persist at a time; `flush()` raises its error)."""
+        """Memory retention; the step also goes to the durable folder if `due` (default:
+        every `durable_every`-th save), in the background (one persist at a time; `flush()`
+        raises its error). `persist`: the coordinator's commit and durable retention."""
+        commit_fn, retention = persist
         keep = commit.RetentionPolicy(keep_last=self.config.memory_keep)
         await asyncio.to_thread(commit.apply_retention, self.store, keep)
+        await asyncio.to_thread(self.add_new_nodes)
         self.saves += 1
-        if self.saves % self.config.durable_every:
+        if not (self.saves % self.config.durable_every == 0 if due is None else due):
             return
         if self._persisting is not None:  # one at a time; a failed one was logged, and this
             await asyncio.wait([self._persisting])  # newer step supersedes it
