@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -179,6 +180,11 @@ def reference(nodes, s3_server, tmp_path_factory):
 
 
 def test_grpo_recovers_from_a_lost_node_bitwise(nodes, reference, s3_folder, tmp_path):
+    """On 3 nodes the app saves every step to the memory tier (durable every 2 steps): a node
+    SIGKILLed at a random point costs at most the one step that was not yet saved."""
+    rng = random.Random()
+    after, delay = rng.randint(3, 9), rng.uniform(0.0, 0.5)
+    print(f"removing the busiest worker node {delay:.2f}s after step {after}'s line")
     run_dir = str(tmp_path / "run")
     overrides = [
         f"ray.address={nodes.address}",
@@ -186,10 +192,11 @@ def test_grpo_recovers_from_a_lost_node_bitwise(nodes, reference, s3_folder, tmp
         f"checkpoint.folder={s3_folder.url}",
     ]
     job = grpo(run_dir, overrides, s3_folder.server.env(), str(tmp_path / "run.log"))
-    assert chaos.wait_until(job, lambda: chaos.metrics_lines(run_dir) >= 5, 300, 0.01)
+    assert chaos.wait_until(job, lambda: chaos.metrics_lines(run_dir) >= after, 300, 0.01)
+    time.sleep(delay)
     victim = cu.busiest_worker(nodes)  # SPREAD puts some of the job's actors on a worker
     assert victim is not None
-    nodes.remove(victim)  # mid-run
+    nodes.remove(victim)  # mid-run: its raylet and every process on it are killed
     try:
         assert job.wait(timeout=300) == 0, read(job.log).decode()[-3000:]
     finally:
@@ -197,7 +204,9 @@ def test_grpo_recovers_from_a_lost_node_bitwise(nodes, reference, s3_folder, tmp
     same_run(run_dir, reference)
     (event,) = chaos_events(run_dir)
     assert event["lost"] and all("its node died" in r for r in event["reasons"].values())
-    assert event["resumed_step"] in (4, 6) and event["failed_step"] > event["resumed_step"]
+    assert event["tier"] == "memory", event
+    logged_before_loss = event["failed_step"] - 1  # the step in progress had no line yet
+    assert logged_before_loss - event["resumed_step"] <= 1, event  # at most one step redone
     assert "recoveries: 1 (lost " in read(job.log).decode()
 
 

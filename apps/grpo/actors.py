@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from forge_ckpt import Checkpointable
+from forge_ckpt import Checkpointable, immutable
 
 from .model import build_model, sample
 from .rl import EPISODE_FIELDS
@@ -199,7 +199,9 @@ class ReplayBuffer(Checkpointable):
         return {"sampling": self.rng}
 
     def state_dict(self) -> dict[str, Any]:
-        return {"data": dict(self.data), "added": self.added}
+        # add() and evict() replace the arrays, never change them in place: a background
+        # snapshot need not copy them.
+        return {"data": immutable(dict(self.data)), "added": self.added}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.data = {k: np.array(state["data"][k], dtype=dt) for k, dt in EPISODE_FIELDS.items()}

@@ -41,6 +41,8 @@ RESUMABLE_KEYS = frozenset(
         "checkpoint.interval",
         "checkpoint.keep_last",
         "checkpoint.async_mode",
+        "checkpoint.memory",
+        "checkpoint.memory_copies",
         "checkpoint.sigterm_grace_s",
         "dataset.num_workers",
         "dataset.replicas",

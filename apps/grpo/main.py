@@ -213,17 +213,34 @@ def prepare_run_dir(cfg: dict[str, Any]) -> None:
     os.makedirs(run_dir, exist_ok=True)
 
 
+def memory_tier(cfg: dict[str, Any]) -> bool:
+    """`checkpoint.memory`: auto turns the memory tier on when Ray has more than one node
+    (on one node a copy in another process's memory dies with the machine anyway)."""
+    memory = cfg["checkpoint"].get("memory", "auto")
+    if memory == "auto":
+        return sum(1 for n in ray.nodes() if n["Alive"]) > 1
+    if not isinstance(memory, bool):
+        raise ConfigError(f"checkpoint.memory must be auto, true or false, got {memory!r}")
+    return memory
+
+
 def make_coordinator(cfg: dict[str, Any]) -> CheckpointCoordinator:
-    """The run's coordinator; it locks `run_dir/checkpoints` (one live job per folder)."""
+    """The run's coordinator; it locks the checkpoint folder (one live job per folder). With
+    the memory tier, every step is saved to memory and every `interval`-th also durably."""
     ckpt = cfg["checkpoint"]
-    return CheckpointCoordinator(
-        CheckpointConfig(
-            folder=checkpoint_folder(cfg),
-            keep_last=ckpt["keep_last"],
-            async_mode=ckpt["async_mode"],
-            fingerprint=fingerprint(cfg),
-        )
+    memory = memory_tier(cfg)
+    config = CheckpointConfig(
+        folder=checkpoint_folder(cfg),
+        keep_last=ckpt["keep_last"],
+        async_mode=ckpt["async_mode"],
+        fingerprint=fingerprint(cfg),
+        memory_every=int(memory),
+        memory_copies=int(ckpt.get("memory_copies", 2)),
     )
+    if memory:
+        print(f"checkpoints: every step to memory ({config.memory_copies} copies on other "
+              f"nodes), every {ckpt['interval']} steps to {config.folder}", flush=True)  # fmt: skip
+    return CheckpointCoordinator(config)
 
 
 async def run(cfg: dict[str, Any]) -> int:
@@ -268,7 +285,7 @@ async def resume_and_train(
     loaded = await coord.load()  # restores every actor and the trainer, or None
     start = loaded.step if loaded else 0
     log.truncate_after(start)
-    sup.resumed(start)
+    sup.resumed(start, loaded.tier if loaded else None)
     await job.push_weights()  # restored (or initial) weights before any rollout
     ready = time.perf_counter() - t0
     progress = Progress(start, int(cfg["steps"]), resumed=loaded is not None, ready_s=ready)
@@ -319,10 +336,12 @@ async def train_loop(
         log.append(record)
         chaos_hook(job, step)  # tests: GRPO_CHAOS_KILL=name@step kills an actor once
         progress.update(record)
-        if step % interval == 0 or step == steps or stop.is_set():
+        durable = step % interval == 0 or step == steps or stop.is_set()
+        if durable or coord.config.memory_every:  # with the memory tier: every step
             await rollouts.drain()  # the consistent cut: nothing of this step is in flight
             log.sync()
-            await coord.save(step, extra={"policy_version": record["policy_version"]})
+            extra = {"policy_version": record["policy_version"]}
+            await coord.save(step, extra=extra, durable=durable)
     return step
 
 

@@ -3,7 +3,9 @@ the summary printed at the end."""
 
 from __future__ import annotations
 
+import statistics
 import sys
+import time
 from typing import Any
 
 from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
@@ -19,6 +21,7 @@ class Progress:
         self.start, self.steps = start, steps
         self.tty = sys.stdout.isatty()
         self._bar: RichProgress | None = None
+        self._marks: list[float] = []  # when each step's line was ready
         where = f"resumed at step {start}" if resumed else "fresh start"
         todo = f"training to step {steps}" if start < steps else f"steps={steps}: nothing to train"
         print(f"GRPO: {where} (actors ready in {ready_s:.1f}s), {todo}", flush=True)
@@ -37,6 +40,7 @@ class Progress:
         return self
 
     def update(self, record: dict[str, Any]) -> None:
+        self._marks.append(time.perf_counter())
         text = (
             f"reward {record['reward_mean']:.3f}  exact {record['exact_frac']:.2f}  "
             f"loss {record['loss']:+.4f}"
@@ -49,6 +53,11 @@ class Progress:
     def __exit__(self, *exc: Any) -> None:
         if self._bar is not None:
             self._bar.stop()
+        marks = self._marks  # a gap: one step plus the save before it
+        gaps = [b - a for a, b in zip(marks, marks[1:], strict=False)]
+        if gaps:  # read by benchmarks/grpo_overhead.py
+            print(f"step time: median {statistics.median(gaps) * 1e3:.1f} ms over "
+                  f"{len(gaps)} steps", flush=True)  # fmt: skip
 
 
 def summary(

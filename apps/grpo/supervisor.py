@@ -177,16 +177,17 @@ class Supervisor:
                          "lost": sorted(dead), "reasons": dead, "t0": t0}  # fmt: skip
         return new
 
-    def resumed(self, step: int) -> None:
-        """Called once the recreated job has loaded `step`: logs and records the recovery."""
+    def resumed(self, step: int, tier: str | None = None) -> None:
+        """Called once the recreated job has loaded `step` (from `tier`: memory or durable):
+        logs and records the recovery."""
         if self._pending is None:
             return
         event, self._pending = self._pending, None
         seconds = time.perf_counter() - event.pop("t0")
-        event.update(resumed_step=step, recovery_s=round(seconds, 3))
+        event.update(resumed_step=step, tier=tier, recovery_s=round(seconds, 3))
         self.log.append_event(event)
         print(
             f"GRPO: recovered in {seconds:.1f}s: lost {', '.join(event['lost'])}; "
-            f"continuing from committed step {step}",
+            f"continuing from committed step {step} ({tier or 'no'} checkpoint)",
             flush=True,
         )
