@@ -221,6 +221,9 @@ async def test_budget_and_foreign_holders(nodes, s3_folder, caplog):
     assert now.keys() == first.keys() and all(now[n] != first[n] for n in now)
     coord.register("replay", actor)
     assert await coord.load() is None
+    await coord.save(3)  # the actor's cached handles are of the retired holders: refreshed
+    placed = await asyncio.to_thread(copies, coord, nodes, 3)
+    assert placed["actors/replay.0.msgpack"] == {"head", "node_b"}  # not on its own node_a
     coord.tier.shutdown()
     coord.close()
 

@@ -125,20 +125,14 @@ class MemoryStorage(Storage):
         tried: list[str] = []
         while len(done) < self.copies and order:
             batch, order = order[: self.copies - len(done)], order[self.copies - len(done) :]
-            futs = []
-            for h in batch:
-                try:
-                    futs.append((h, self.handle(h[0]).put.remote(key, [ref], record.to_dict())))
-                except ValueError:
-                    tried.append(f"{h[1][:8]} (no holder)")
+            what = (key, ref, record)
+            futs = [(h, self._put(h, what, refresh=False)) for h in batch]
             for h, fut in futs:
-                try:
-                    ray.get(fut, timeout=CALL_TIMEOUT_S)
+                problem = self._await_put(h, fut, what)
+                if problem is None:
                     done.append(h[1])
-                except _DEAD as e:
-                    tried.append(f"{h[1][:8]} ({type(e).__name__})")
-                except ray.exceptions.RayTaskError as e:
-                    raise _unwrap(e) from None
+                else:
+                    tried.append(f"{h[1][:8]} ({problem})")
         del ref
         if len(done) < self.copies:
             raise StorageError(
@@ -148,6 +142,35 @@ class MemoryStorage(Storage):
         if me in done:
             log.warning("%s: a copy is on the writer's own node (too few other nodes)", key)
         return done
+
+    def _put(self, h: HolderRef, what: tuple[str, Any, FileRecord], refresh: bool) -> Any | None:
+        """Start one holder's put of (key, object ref, record); None if there is no such
+        holder (any more)."""
+        key, ref, record = what
+        try:
+            return self.handle(h[0], refresh).put.remote(key, [ref], record.to_dict())
+        except ValueError:
+            return None
+
+    def _await_put(
+        self, h: HolderRef, fut: Any | None, what: tuple[str, Any, FileRecord]
+    ) -> str | None:
+        """Wait for a put; once more with a fresh handle if this process's cached one is of
+        a holder that was replaced. None when the copy is placed, else why not."""
+        problem = "no holder"
+        for retry in (False, True):
+            if retry:
+                fut = self._put(h, what, refresh=True)
+            if fut is None:
+                continue
+            try:
+                ray.get(fut, timeout=CALL_TIMEOUT_S)
+                return None
+            except _DEAD as e:
+                problem = type(e).__name__
+            except ray.exceptions.RayTaskError as e:
+                raise _unwrap(e) from None
+        return problem
 
     # ---- writing ---------------------------------------------------------------------------
     def writer(self, path: str) -> Writer:
