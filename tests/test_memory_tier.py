@@ -147,6 +147,31 @@ async def test_a_node_that_joins_later_gets_a_holder(nodes, s3_folder):
         nodes.restore()
 
 
+def test_large_reads_are_spread_over_the_copies(nodes, s3_folder, monkeypatch):
+    """A file written from the head has its 2 copies on node_a and node_b: a large read
+    from the head fetches parts from both; whole and ranged reads return the bytes."""
+    coord = CheckpointCoordinator(config(s3_folder.url, s3_folder.options))
+    try:
+        store = coord.tier.store
+        data = os.urandom(5 * 1024**2) * 14  # 70 MiB: three 32 MiB parts
+        store.write("scratch/big", data)
+        holding, size = store._holding("scratch/big")
+        assert size == len(data) and {ref[1] for ref in holding} == {
+            nodes.workers["node_a"].node_id,
+            nodes.workers["node_b"].node_id,
+        }
+        spread = []
+        real = type(store)._read_spread
+        monkeypatch.setattr(type(store), "_read_spread",
+                            lambda self, *a: spread.append(a[2:]) or real(self, *a))  # fmt: skip
+        assert store.read("scratch/big") == data
+        assert store.read("scratch/big", 7, len(data) - 11) == data[7:-11]
+        assert spread == [(0, len(data)), (7, len(data) - 11)]
+        store.delete("scratch/big")
+    finally:
+        coord.close()
+
+
 async def drive(address: str, folder: str, options: dict, out: str, phase: str) -> None:
     """A driver process: "first" saves steps 1-3 then waits to be killed; "resume" loads."""
     ray.init(address=address, logging_level="WARNING", runtime_env={"env_vars": cu.NODE_ENV})

@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+import numpy as np
 import ray
 
 from ..errors import CheckpointError
@@ -93,9 +94,11 @@ class Holder:
         self.files[key] = bytes(data)
         return crc32c_of_bytes(data)
 
-    def get(self, key: str, start: int = 0, end: int | None = None) -> bytes | None:
+    def get(self, key: str, start: int = 0, end: int | None = None) -> np.ndarray | None:
+        """A view of the bytes: Ray sends a numpy array out of band (into the object store
+        once, read without a copy by a reader on this node), where bytes are pickled."""
         data = self.files.get(key)
-        return None if data is None else data[start:end]
+        return None if data is None else np.frombuffer(data, dtype=np.uint8)[start:end]
 
     def has(self, keys: list[str]) -> list[bool]:
         return [k in self.files for k in keys]

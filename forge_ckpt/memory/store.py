@@ -16,6 +16,7 @@ import logging
 import threading
 from typing import Any
 
+import numpy as np
 import ray
 
 from ..storage.base import (
@@ -36,9 +37,14 @@ log = logging.getLogger("forge_ckpt")
 SCHEME = "mem://"
 OPTIONS = ("holders", "copies", "namespace", "digest")
 CALL_TIMEOUT_S = 300.0
+READ_CHUNK = 32 * 1024**2  # reads of 2+ chunks from other nodes are spread over the copies
 _DEAD = (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError, ValueError)
 _handles: dict[tuple[str, str], Any] = {}
 _lock = threading.Lock()
+
+
+class _LostMidRead(Exception):
+    """A holder no longer had the file when its part was read."""
 
 
 def forget(namespace: str, name: str) -> None:
@@ -115,7 +121,7 @@ class MemoryStorage(Storage):
                     continue
         return out
 
-    def put_copies(self, path: str, data: bytes, record: FileRecord) -> list[str]:
+    def put_copies(self, path: str, data: Any, record: FileRecord) -> list[str]:
         """Hand `data` to `copies` live holders (other nodes first); the node ids that ack."""
         key = self.key(path)
         me = ray.get_runtime_context().get_node_id()
@@ -209,8 +215,19 @@ class MemoryStorage(Storage):
 
     # ---- reading ---------------------------------------------------------------------------
     def read(self, path: str, start: int = 0, end: int | None = None) -> bytearray:
+        """From a holder on this node if one has the file (no network); else large reads
+        are split over every holder that has it, in parallel."""
         key = self.key(path)
-        for ref in preference(key, self.holders, ""):
+        holding, size = self._holding(key)
+        stop = size if end is None or size is None else min(end, size)
+        if stop is not None and len(holding) > 1 and stop - start >= 2 * READ_CHUNK:
+            me = ray.get_runtime_context().get_node_id()
+            if holding[0][1] != me:
+                try:
+                    return self._read_spread(key, holding, start, stop)
+                except (*_DEAD, _LostMidRead):
+                    pass  # a holder died or dropped the step meanwhile: one at a time below
+        for ref in holding:
             try:
                 data = self.call(ref, "get", key, start, end, timeout=CALL_TIMEOUT_S)
             except _DEAD:
@@ -218,6 +235,32 @@ class MemoryStorage(Storage):
             if data is not None:
                 return bytearray(data)
         raise FileNotFoundError(f"{self.where(path)}: no live memory holder has it")
+
+    def _holding(self, key: str) -> tuple[builtins.list[HolderRef], int | None]:
+        """The live holders that have `key`, this node's first, and its size."""
+        me = ray.get_runtime_context().get_node_id()
+        found = [(ref, sizes[key]) for ref, sizes in self.on_all("sizes", key) if key in sizes]
+        have = {ref for ref, _ in found}
+        ranked = [r for r in preference(key, self.holders, me) if r in have]
+        mine = [r for r in ranked if r[1] == me]
+        return mine + [r for r in ranked if r[1] != me], (int(found[0][1]) if found else None)
+
+    def _read_spread(
+        self, key: str, holding: builtins.list[HolderRef], start: int, stop: int
+    ) -> bytearray:
+        out = bytearray(stop - start)
+        bounds = [(a, min(a + READ_CHUNK, stop)) for a in range(start, stop, READ_CHUNK)]
+        window = 2 * len(holding)  # parts in flight: bounds what waits in object stores
+        for first in range(0, len(bounds), window):
+            batch = bounds[first : first + window]
+            futs = [self.handle(holding[i % len(holding)][0]).get.remote(key, a, b)
+                    for i, (a, b) in enumerate(batch)]  # fmt: skip
+            for (a, b), fut in zip(batch, futs, strict=True):
+                part = ray.get(fut, timeout=CALL_TIMEOUT_S)
+                if part is None or len(part) != b - a:
+                    raise _LostMidRead(key)
+                out[a - start : b - start] = memoryview(part)
+        return out
 
     def size(self, path: str) -> int | None:
         key = self.key(path)
@@ -256,19 +299,21 @@ class _MemWriter(Writer):
 
     def __init__(self, store: MemoryStorage, path: str) -> None:
         self.store, self.path = store, path
-        self.parts: list[bytes] = []
+        self.buf = bytearray()
         self.sums = Checksums(store.digest)
 
     def write(self, data: Any) -> None:
-        b = bytes(memoryview(data).cast("B"))
-        self.sums.update(b)
-        self.parts.append(b)
+        mv = memoryview(data).cast("B")
+        self.sums.update(mv)
+        self.buf += mv
 
     def close(self) -> FileRecord:
         record = self.sums.record(self.path)
-        data, self.parts = b"".join(self.parts), []
+        # A numpy view goes into the object store out of band: one copy, where bytes are
+        # pickled (joined first, then copied again).
+        data, self.buf = np.frombuffer(self.buf, dtype=np.uint8), bytearray()
         self.store.put_copies(self.path, data, record)
         return record
 
     def abort(self) -> None:
-        self.parts = []
+        self.buf = bytearray()
