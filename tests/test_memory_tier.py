@@ -155,8 +155,9 @@ def test_large_reads_are_spread_over_the_copies(nodes, s3_folder, monkeypatch):
         store = coord.tier.store
         data = os.urandom(5 * 1024**2) * 14  # 70 MiB: three 32 MiB parts
         store.write("scratch/big", data)
-        holding, size = store._holding("scratch/big")
-        assert size == len(data) and {ref[1] for ref in holding} == {
+        held = store.on_all("sizes", "scratch/big")
+        holding = [ref for ref, sizes in held if sizes.get("scratch/big") == len(data)]
+        assert {ref[1] for ref in holding} == {
             nodes.workers["node_a"].node_id,
             nodes.workers["node_b"].node_id,
         }

@@ -203,10 +203,15 @@ def checkpoint_folder(cfg: dict[str, Any]) -> str:
 def prepare_run_dir(cfg: dict[str, Any]) -> None:
     run_dir = cfg["run_dir"]
     if cfg.get("fresh"):
-        folder = checkpoint_folder(cfg)
-        if folder.startswith("s3://") or os.path.isdir(folder):
+        folder, memory = checkpoint_folder(cfg), int(memory_tier(cfg))
+        # With the memory tier on, its holders (detached, named after the folder) may keep
+        # memory steps of the last run even where the folder is gone: those are wiped too.
+        if folder.startswith("s3://") or os.path.isdir(folder) or memory:
             # Taking the folder's lease first: a live run that uses it is not wiped under it.
-            CheckpointCoordinator(CheckpointConfig(folder=folder)).wipe()
+            config = CheckpointConfig(
+                folder=folder, memory_every=memory, fingerprint=fingerprint(cfg)
+            )
+            CheckpointCoordinator(config).wipe()
         for name in (METRICS, FINAL_WEIGHTS):
             if os.path.exists(os.path.join(run_dir, name)):
                 os.remove(os.path.join(run_dir, name))
@@ -261,6 +266,8 @@ async def run(cfg: dict[str, Any]) -> int:
                 t0 = time.perf_counter()  # "actors ready in" then counts the whole recovery
                 job = await sup.recover(job, e, log.last_step + 1)
         await coord.aclose()  # releases the folder's lease (the last save was flushed)
+        if coord.tier is not None and step == int(cfg["steps"]):
+            coord.tier.shutdown()  # the run is over and its last step durable: free the memory
         if stop.is_set() and step < int(cfg["steps"]):
             done = f"committed step {step}" if step > start else "no step ran, nothing saved"
             print(f"SIGTERM: {done}; run the same command again to continue")
@@ -361,8 +368,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     t0 = time.perf_counter()
     try:
+        start_ray(cfg)  # first: `fresh` wipes the memory tier's steps too
         prepare_run_dir(cfg)
-        start_ray(cfg)
         print(f"Ray started in {time.perf_counter() - t0:.1f}s", flush=True)
         code = asyncio.run(run(cfg))
     except CheckpointMismatchError as e:

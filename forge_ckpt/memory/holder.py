@@ -94,11 +94,18 @@ class Holder:
         self.files[key] = bytes(data)
         return crc32c_of_bytes(data)
 
-    def get(self, key: str, start: int = 0, end: int | None = None) -> np.ndarray | None:
+    def get(
+        self, key: str, start: int = 0, end: int | None = None, limit: int | None = None
+    ) -> np.ndarray | int | None:
         """A view of the bytes: Ray sends a numpy array out of band (into the object store
-        once, read without a copy by a reader on this node), where bytes are pickled."""
+        once, read without a copy by a reader on this node), where bytes are pickled. A
+        range longer than `limit` is answered with the file's size (the reader then splits
+        it over the copies)."""
         data = self.files.get(key)
-        return None if data is None else np.frombuffer(data, dtype=np.uint8)[start:end]
+        if data is None:
+            return None
+        view = np.frombuffer(data, dtype=np.uint8)[start:end]
+        return len(data) if limit is not None and len(view) > limit else view
 
     def has(self, keys: list[str]) -> list[bool]:
         return [k in self.files for k in keys]

@@ -215,35 +215,34 @@ class MemoryStorage(Storage):
 
     # ---- reading ---------------------------------------------------------------------------
     def read(self, path: str, start: int = 0, end: int | None = None) -> bytearray:
-        """From a holder on this node if one has the file (no network); else large reads
-        are split over every holder that has it, in parallel."""
+        """From a holder on this node if one has the file (no network); a large read from
+        other nodes is split over every holder that has it, in parallel. One round trip for
+        a small file: a holder answers a large range with its size instead of the bytes."""
         key = self.key(path)
-        holding, size = self._holding(key)
-        stop = size if end is None or size is None else min(end, size)
-        if stop is not None and len(holding) > 1 and stop - start >= 2 * READ_CHUNK:
-            me = ray.get_runtime_context().get_node_id()
-            if holding[0][1] != me:
-                try:
-                    return self._read_spread(key, holding, start, stop)
-                except (*_DEAD, _LostMidRead):
-                    pass  # a holder died or dropped the step meanwhile: one at a time below
-        for ref in holding:
+        me = ray.get_runtime_context().get_node_id()
+        ranked = preference(key, self.holders, me)
+        for ref in [r for r in ranked if r[1] == me] + [r for r in ranked if r[1] != me]:
+            limit = None if ref[1] == me else 2 * READ_CHUNK
             try:
-                data = self.call(ref, "get", key, start, end, timeout=CALL_TIMEOUT_S)
+                data = self.call(ref, "get", key, start, end, limit, timeout=CALL_TIMEOUT_S)
+                if isinstance(data, int):  # large, on another node
+                    data = self._read_large(key, ref, start, min(end or data, data))
             except _DEAD:
                 continue
             if data is not None:
                 return bytearray(data)
         raise FileNotFoundError(f"{self.where(path)}: no live memory holder has it")
 
-    def _holding(self, key: str) -> tuple[builtins.list[HolderRef], int | None]:
-        """The live holders that have `key`, this node's first, and its size."""
-        me = ray.get_runtime_context().get_node_id()
-        found = [(ref, sizes[key]) for ref, sizes in self.on_all("sizes", key) if key in sizes]
-        have = {ref for ref, _ in found}
-        ranked = [r for r in preference(key, self.holders, me) if r in have]
-        mine = [r for r in ranked if r[1] == me]
-        return mine + [r for r in ranked if r[1] != me], (int(found[0][1]) if found else None)
+    def _read_large(self, key: str, first: HolderRef, start: int, stop: int) -> Any:
+        """Parts from every holder that has the file, or all from `first` if it is the only
+        one (or a holder fails mid-read)."""
+        holding = [ref for ref, sizes in self.on_all("sizes", key) if key in sizes]
+        if len(holding) > 1:
+            try:
+                return self._read_spread(key, holding, start, stop)
+            except (*_DEAD, _LostMidRead):
+                pass
+        return self.call(first, "get", key, start, stop, timeout=CALL_TIMEOUT_S)
 
     def _read_spread(
         self, key: str, holding: builtins.list[HolderRef], start: int, stop: int
