@@ -28,6 +28,9 @@ test: setup
 bench: setup
 	$(PY) -m benchmarks.run --merge-gpu docs/benchmarks_gpu.json
 	$(PY) -m benchmarks.integrity
+	$(PY) -m benchmarks.tiers
+	$(PY) -m benchmarks.stall
+	$(PY) -m benchmarks.grpo_overhead
 
 lint: setup
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check . && $(VENV)/bin/mypy
