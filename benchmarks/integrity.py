@@ -24,12 +24,12 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 
-from benchmarks import disk
+from benchmarks import disk, sections
 from forge_ckpt.dcp_io import SeamReader, SeamWriter
 from forge_ckpt.storage import open_storage
 from forge_ckpt.storage.base import Checksums, StorageSpec
 
-BEGIN, END = "<!-- integrity:begin -->", "<!-- integrity:end -->"
+BEGIN, END = sections.markers("integrity")
 DIGESTS = (None, "blake3", "sha256")
 
 
@@ -129,18 +129,8 @@ def markdown(res: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_docs(res: dict[str, Any], docs: str = "docs") -> None:
-    with open(os.path.join(docs, "benchmarks_integrity.json"), "w") as f:
-        json.dump(res, f, indent=1)
-    path = os.path.join(docs, "benchmarks.md")
-    text = open(path).read()
-    block = markdown(res)
-    if BEGIN in text:
-        text = text[: text.index(BEGIN)] + block + text[text.index(END) + len(END) + 1 :]
-    else:
-        text = text.rstrip() + "\n\n" + block
-    with open(path, "w") as f:
-        f.write(text)
+def write_docs(res: dict[str, Any]) -> None:
+    sections.write_section("integrity", markdown(res), res)
 
 
 def main() -> None:
