@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import os
 import random
 import shutil
@@ -83,14 +84,15 @@ async def measure(args: argparse.Namespace, root: str) -> dict[str, Any]:
         await coords[mode].wait()
     rows: dict[str, list[dict]] = {m: [] for m in MODES}
     baseline: list[float] = []
+    steps = itertools.count(1)  # step numbers only grow, in every folder
     for trial in range(args.trials):
         order = list(MODES)
         random.Random(trial).shuffle(order)
         for mode in order:
-            rows[mode].append(await iteration(coords[mode], trainer, trial + 1, args.rollout_s))
+            rows[mode].append(await iteration(coords[mode], trainer, next(steps), args.rollout_s))
             baseline.append(await trainer.timed_step.remote())  # a step with no save around
         # the worst case: no rollout, the optimizer step follows save() at once
-        exposed = await iteration(coords["deferred"], trainer, 100 + trial, 0.0)
+        exposed = await iteration(coords["deferred"], trainer, next(steps), 0.0)
         rows.setdefault(EXPOSED, []).append(exposed)
     for c in coords.values():
         await c.aclose()

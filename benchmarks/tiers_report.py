@@ -200,12 +200,13 @@ def _limits_memory(p: dict[str, Any], cores: int) -> list[str]:
         f"whatever else runs. The driver's share ({_med(sv, 'driver'):.2f} s) is the manifest "
         "and COMMIT written to every holder, and retention.",
         f"- **Memory-tier load** ({_med(sec, 'memory_load'):.2f} s): reading the file back "
-        f"from one holder takes {read:.2f} s of the actor's {prep:.2f} s (the holder's heap "
-        "copy is a call's return value: serialized into the holder's store, pulled to "
-        "node_a, deserialized, then copied into a `bytearray` by `MemoryStorage.read`); "
-        "CRC32C and decoding (tensors are views of that buffer) are the rest. Ray alone "
-        f"pulls the same bytes from a holder's heap in {pull:.2f} s: the load is bound by that "
-        "transfer, from one holder (the two copies are not read in parallel).",
+        f"takes {read:.2f} s of the actor's {prep:.2f} s (node_a holds no copy: the writer's "
+        "node never does. Each holder returns a numpy view of its heap copy, which Ray puts "
+        "into that holder's store out of band and pulls to node_a; the file is read as 32 MiB "
+        "parts from both holders in parallel, copied into one `bytearray` by "
+        "`MemoryStorage.read`); CRC32C and decoding (tensors are views of that buffer) are "
+        f"the rest. Ray alone pulls the same bytes from one holder in {pull:.2f} s: the load "
+        "is bound by Ray's transfers between raylets on this machine.",
     ]
 
 
@@ -256,10 +257,12 @@ def _limits_recovery(p: dict[str, Any]) -> list[str]:
         f"the two actors on node_b ({_s(m['recreate_s'])} / {_s(d['recreate_s'])} s) is the "
         "same work for both, a new Ray worker process per actor importing torch; its spread "
         "is the machine's load, not the tier, and it overlaps Ray's detection of the dead node "
-        "(health checks every 0.5 s, 4 misses). What the tier changes is `load()`: the memory "
-        "tier pulls the files from a surviving holder (a Ray transfer, as above), the durable "
-        "tier GETs them from S3 (SeaweedFS reading cold), so the `load()` ratio is the one that "
-        "speaks for the tier.",
+        "(health checks every 0.5 s, 4 misses). What the tier changes is `load()`: the "
+        "recreated actor runs on node_b, which holds a copy, and a read goes to the holder on "
+        "the reader's own node first: the bytes move through node_b's shared-memory object "
+        "store, not between raylets (compare the load from node_a above); the durable tier "
+        "GETs them from S3 (SeaweedFS reading cold). The `load()` ratio is the one that speaks "
+        "for the tier.",
     ]
 
 
