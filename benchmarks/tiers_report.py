@@ -202,8 +202,8 @@ def _limits_memory(p: dict[str, Any], cores: int) -> list[str]:
         f"- **Memory-tier load** ({_med(sec, 'memory_load'):.2f} s): reading the file back "
         f"takes {read:.2f} s of the actor's {prep:.2f} s (node_a holds no copy: the writer's "
         "node never does. Each holder returns a numpy view of its heap copy, which Ray puts "
-        "into that holder's store out of band and pulls to node_a; the file is read as 32 MiB "
-        "parts from both holders in parallel, copied into one `bytearray` by "
+        "into that holder's store out of band and pulls to node_a; the file is read as one "
+        "part from each holder, in parallel, copied into one `bytearray` by "
         "`MemoryStorage.read`); CRC32C and decoding (tensors are views of that buffer) are "
         f"the rest. Ray alone pulls the same bytes from one holder in {pull:.2f} s: the load "
         "is bound by Ray's transfers between raylets on this machine.",

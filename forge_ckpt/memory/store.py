@@ -37,7 +37,7 @@ log = logging.getLogger("forge_ckpt")
 SCHEME = "mem://"
 OPTIONS = ("holders", "copies", "namespace", "digest")
 CALL_TIMEOUT_S = 300.0
-READ_CHUNK = 32 * 1024**2  # reads of 2+ chunks from other nodes are spread over the copies
+READ_CHUNK = 32 * 1024**2  # a read from other nodes of 2 of these or more is spread
 _DEAD = (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError, ValueError)
 _handles: dict[tuple[str, str], Any] = {}
 _lock = threading.Lock()
@@ -247,18 +247,19 @@ class MemoryStorage(Storage):
     def _read_spread(
         self, key: str, holding: builtins.list[HolderRef], start: int, stop: int
     ) -> bytearray:
+        # One part per holder: Ray pulls each large object in pipelined chunks itself, and
+        # every extra object costs a call, a store entry and a pull (measured: 32 MiB parts
+        # made a 1 GiB read twice as slow as one pull).
         out = bytearray(stop - start)
-        bounds = [(a, min(a + READ_CHUNK, stop)) for a in range(start, stop, READ_CHUNK)]
-        window = 2 * len(holding)  # parts in flight: bounds what waits in object stores
-        for first in range(0, len(bounds), window):
-            batch = bounds[first : first + window]
-            futs = [self.handle(holding[i % len(holding)][0]).get.remote(key, a, b)
-                    for i, (a, b) in enumerate(batch)]  # fmt: skip
-            for (a, b), fut in zip(batch, futs, strict=True):
-                part = ray.get(fut, timeout=CALL_TIMEOUT_S)
-                if part is None or len(part) != b - a:
-                    raise _LostMidRead(key)
-                out[a - start : b - start] = memoryview(part)
+        n = min(len(holding), max(1, (stop - start) // READ_CHUNK))
+        cuts = [start + (stop - start) * i // n for i in range(n + 1)]
+        futs = [self.handle(ref[0]).get.remote(key, a, b)
+                for ref, a, b in zip(holding, cuts, cuts[1:], strict=False)]  # fmt: skip
+        for a, b, fut in zip(cuts, cuts[1:], futs, strict=True):
+            part = ray.get(fut, timeout=CALL_TIMEOUT_S)
+            if part is None or len(part) != b - a:
+                raise _LostMidRead(key)
+            out[a - start : b - start] = memoryview(part)
         return out
 
     def size(self, path: str) -> int | None:
