@@ -29,8 +29,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from . import tiers_recovery, tiers_report, tiers_saveload
-from . import tiers_shared as disk
+from . import disk, tiers_recovery, tiers_report, tiers_saveload
 from .tiers_env import Env, environment
 
 log = logging.getLogger("benchmarks")
@@ -82,7 +81,7 @@ def _command(argv: list[str] | None) -> str:
 
 
 def _new_results(args: argparse.Namespace, command: str, cache: str) -> dict[str, Any]:
-    from .tiers_shared import machine_info
+    from .run import machine_info
 
     return {
         "command": command,

@@ -11,12 +11,10 @@ side, ray, torch, numpy and crc32c only.
 
 from __future__ import annotations
 
-import functools
 import gc
 import hashlib
 import os
 import time
-from collections import defaultdict
 from typing import Any
 
 import crc32c
@@ -26,25 +24,9 @@ import torch
 
 from forge_ckpt import Checkpointable
 
+from .timers import take_phases, timed
+
 TENSORS = 16  # the state is this many float32 tensors (a model's layers, say)
-_PHASES: dict[str, float] = defaultdict(float)
-
-
-def _timed(name: str, fn: Any) -> Any:
-    """`fn`, adding its seconds to the phase `name` (where a save's or load's time goes)."""
-    if getattr(fn, "_tiers_timed", False):
-        return fn
-
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        t0 = time.perf_counter()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            _PHASES[name] += time.perf_counter() - t0
-
-    wrapper._tiers_timed = True  # type: ignore[attr-defined]
-    return wrapper
 
 
 def install_timers() -> None:
@@ -53,8 +35,8 @@ def install_timers() -> None:
     from forge_ckpt.memory.store import MemoryStorage
 
     cls: Any = MemoryStorage
-    cls.put_copies = _timed("mem_put_copies", cls.put_copies)
-    cls.read = _timed("mem_read", cls.read)
+    cls.put_copies = timed("mem_put_copies", cls.put_copies)
+    cls.read = timed("mem_read", cls.read)
 
 
 def tensor_digest(tensors: dict[str, torch.Tensor]) -> str:
@@ -119,19 +101,17 @@ class TensorState(Checkpointable):
 
     # The protocol calls, timed: the actor's share of a save or load (the rest is the driver's).
     def forge_begin_save(self, *args: Any, **kwargs: Any) -> dict:
-        return _timed("actor_save", super().forge_begin_save)(*args, **kwargs)
+        return timed("actor_save", super().forge_begin_save)(*args, **kwargs)
 
     def forge_prepare_load(self, *args: Any, **kwargs: Any) -> list[str]:
-        return _timed("actor_prepare_load", super().forge_prepare_load)(*args, **kwargs)
+        return timed("actor_prepare_load", super().forge_prepare_load)(*args, **kwargs)
 
     def forge_apply_load(self) -> None:
-        _timed("actor_apply_load", super().forge_apply_load)()
+        timed("actor_apply_load", super().forge_apply_load)()
 
     def phases(self) -> dict[str, float]:
         """Seconds per phase since the last call (then reset)."""
-        out = dict(_PHASES)
-        _PHASES.clear()
-        return out
+        return take_phases()["seconds"]
 
 
 class SmallState(Checkpointable):

@@ -30,7 +30,7 @@ import ray
 from forge_ckpt import CheckpointConfig, CheckpointCoordinator
 from forge_ckpt.storage import open_storage
 
-from . import tiers_shared as disk
+from . import disk
 from .tiers_actors import SmallState, TensorState
 from .tiers_env import Env, spawn
 from .tiers_stats import VerifyError, check, paired, spread

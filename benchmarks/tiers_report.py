@@ -8,7 +8,9 @@ import json
 import os
 from typing import Any
 
-BEGIN, END = "<!-- tiers:begin -->", "<!-- tiers:end -->"
+from . import sections
+
+BEGIN, END = sections.markers("tiers")
 TARGET_LOAD_SPEEDUP = 5.0  # memory-tier load vs local-disk load (the issue's target)
 MiB = 1 << 20
 
@@ -269,15 +271,4 @@ def _limits_recovery(p: dict[str, Any]) -> list[str]:
 def write(res: dict[str, Any], out: str) -> None:
     """`out`/benchmarks_tiers.json, and the section in `out`/benchmarks.md (created if absent)."""
     os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "benchmarks_tiers.json"), "w") as f:
-        json.dump(res, f, indent=1, default=str)
-    path = os.path.join(out, "benchmarks.md")
-    text = open(path).read() if os.path.exists(path) else ""
-    block = markdown(res)
-    if BEGIN in text and END in text:
-        after = text[text.index(END) + len(END) :].lstrip("\n")
-        text = text[: text.index(BEGIN)] + block + ("\n" + after if after else "")
-    else:
-        text = (text.rstrip() + "\n\n" if text.strip() else "") + block
-    with open(path, "w") as f:
-        f.write(text)
+    sections.write_section("tiers", markdown(res), json.loads(json.dumps(res, default=str)), out)

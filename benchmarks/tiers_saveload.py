@@ -31,7 +31,7 @@ import ray
 
 from forge_ckpt import CheckpointConfig, CheckpointCoordinator, commit
 
-from . import tiers_shared as disk
+from . import disk
 from .tiers_actors import Probe, TensorState
 from .tiers_env import Env, spawn
 from .tiers_stats import VerifyError, check, paired, spread

@@ -19,7 +19,8 @@ _END: dict[str, float] = {}  # wall-clock time (time.time()) a phase last finish
 _INSTALLED: set[str] = set()
 
 
-def _timed(name: str, fn: Any) -> Any:
+def timed(name: str, fn: Any) -> Any:
+    """`fn`, adding its seconds, calls and end time to the phase `name`."""
     if getattr(fn, "_bench_timed", False):
         return fn
 
@@ -40,7 +41,7 @@ def _timed(name: str, fn: Any) -> Any:
 def _patch(owner: Any, attr: str, name: str) -> None:
     fn = getattr(owner, attr, None)
     if callable(fn):
-        setattr(owner, attr, _timed(name, fn))
+        setattr(owner, attr, timed(name, fn))
 
 
 class _TimedCrc:
@@ -48,7 +49,7 @@ class _TimedCrc:
 
     def __init__(self, mod: Any) -> None:
         self._mod = mod
-        self.crc32c = _timed("crc32c", mod.crc32c)
+        self.crc32c = timed("crc32c", mod.crc32c)
 
     def __getattr__(self, attr: str) -> Any:
         return getattr(self._mod, attr)
@@ -95,7 +96,7 @@ def install_timers(kind: str) -> None:
 def timed_call(name: str, fn: Any, *args: Any) -> Any:
     """Call fn(*args) under the phase timer `name` (for methods Ray dispatches: Ray binds an
     actor's methods when the actor is created, so patching the class afterwards is not seen)."""
-    return _timed(name, fn)(*args)
+    return timed(name, fn)(*args)
 
 
 def take_phases() -> dict[str, Any]:

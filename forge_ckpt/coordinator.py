@@ -164,7 +164,7 @@ class CheckpointCoordinator:
             result.nbytes = await begun
         result.blocked_s = time.perf_counter() - start
         finish = self._finish_save(
-            result, units, (start, durable), extra, store, begun if defer else None
+            result, units, start, extra, store, durable=durable, begun=begun if defer else None
         )
         if not background:
             return await finish
@@ -211,12 +211,13 @@ class CheckpointCoordinator:
         self,
         result: SaveResult,
         units: list[Unit],
-        timing: tuple[float, bool | None],
+        start: float,
         extra: Any,
         store: Storage,
-        begun: Awaitable[int] | None = None,
+        *,
+        durable: bool | None,
+        begun: Awaitable[int] | None,
     ) -> SaveResult:
-        start, durable = timing
         if begun is not None:  # deferred: the snapshots were awaited by nobody yet
             result.nbytes = await begun
         try:
