@@ -153,7 +153,11 @@ def worker(rank, world, folder):
     opt.step()
     msd, osd = get_state_dict(model, opt)
     dcp.save({"model": msd, "optim": osd, "extra": {"rank": rank}}, checkpoint_id=folder)
+    dist.barrier()
     dist.destroy_process_group()
+    # Skip C++ static destructors: about 1 exit in 12 aborts with "terminate called without an
+    # active exception" on this torch/gloo, after a complete save (the CI failure of stop 20).
+    os._exit(0)
 
 if __name__ == "__main__":
     mp.spawn(worker, args=(2, sys.argv[1]), nprocs=2, join=True)
