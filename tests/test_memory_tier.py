@@ -173,6 +173,31 @@ def test_large_reads_are_spread_over_the_copies(nodes, s3_folder, monkeypatch):
         coord.close()
 
 
+def test_small_files_go_inline_and_rename_moves_every_copy(nodes, s3_folder, monkeypatch):
+    """A small file rides in the holder call (no object store entry); DCP's `.metadata.tmp`
+    -> `.metadata` is one rename in every holder, with no copy through the writer."""
+    coord = CheckpointCoordinator(config(s3_folder.url, s3_folder.options))
+    try:
+        store = coord.tier.store
+        puts: list = []
+        real_put = ray.put
+        monkeypatch.setattr(ray, "put", lambda v, **k: puts.append(len(v)) or real_put(v, **k))
+        small, large = os.urandom(1000), os.urandom(200_000)
+        store.write("scratch/small.tmp", small)
+        store.write("scratch/large", large)
+        assert puts == [len(large)]
+        store.rename("scratch/small.tmp", "scratch/small")
+        sizes = [sizes for _, sizes in store.on_all("sizes", "scratch/")]
+        assert sum("scratch/small" in s for s in sizes) == 2  # both copies moved
+        assert not any("scratch/small.tmp" in s for s in sizes)
+        assert store.read("scratch/small") == small and store.read("scratch/large") == large
+        with pytest.raises(FileNotFoundError, match="no live memory holder has it"):
+            store.rename("scratch/small.tmp", "scratch/other")
+        store.delete_prefix("scratch")
+    finally:
+        coord.close()
+
+
 async def drive(address: str, folder: str, options: dict, out: str, phase: str) -> None:
     """A driver process: "first" saves steps 1-3 then waits to be killed; "resume" loads."""
     ray.init(address=address, logging_level="WARNING", runtime_env={"env_vars": cu.NODE_ENV})

@@ -116,6 +116,16 @@ def test_list_walk_delete_and_move(store):
     assert store.list("") == ["b"]
 
 
+def test_rename(store):
+    store.makedirs("d")
+    store.write("d/.metadata.tmp", b"dcp metadata")
+    store.rename("d/.metadata.tmp", "d/.metadata")
+    assert bytes(store.read("d/.metadata")) == b"dcp metadata"
+    assert not store.exists("d/.metadata.tmp")
+    with pytest.raises(FileNotFoundError):
+        store.rename("d/.metadata.tmp", "d/x")
+
+
 def test_sub_and_spec(store):
     sub = store.sub("x/y")
     sub.makedirs("")

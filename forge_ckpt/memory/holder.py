@@ -49,8 +49,9 @@ class Holder:
         return self.info()
 
     def put(self, key: str, refs: list[Any], record: dict) -> int:
-        """Fetch the writer's object (Ray moves it node to node), check it, keep it."""
-        data = ray.get(refs[0])
+        """Fetch the writer's object (Ray moves it node to node), check it, keep it. A small
+        file comes as bytes in the call instead of a reference."""
+        data = refs[0] if isinstance(refs[0], bytes) else ray.get(refs[0])
         buf = bytes(data) if not isinstance(data, bytes) else data
         rec = FileRecord.from_dict(record)
         algo = None if rec.digest is None else rec.digest.split(":", 1)[0]
@@ -112,6 +113,14 @@ class Holder:
 
     def sizes(self, prefix: str = "") -> dict[str, int]:
         return {k: len(v) for k, v in self.files.items() if k.startswith(prefix)}
+
+    def rename(self, src: str, dst: str) -> bool:
+        """False if this holder has no copy of `src`."""
+        data = self.files.pop(src, None)
+        if data is None:
+            return False
+        self.files[dst] = data
+        return True
 
     def delete(self, key: str) -> None:
         self.files.pop(key, None)

@@ -308,6 +308,12 @@ class Storage(ABC):
     def delete_prefix(self, prefix: str) -> None:
         """Remove everything under `prefix`."""
 
+    def rename(self, src: str, dst: str) -> None:
+        """Give one object another name (DCP's `.metadata.tmp` -> `.metadata`); a copy and a
+        delete where the storage has no rename. Not atomic, not durable until `sync_dir`."""
+        self.write(dst, self.read(src))
+        self.delete(src)
+
     @abstractmethod
     def move_prefix(self, src: str, dst: str, first: str | None = None) -> None:
         """Move a folder (POSIX rename; on object stores copy, then delete the object `first`

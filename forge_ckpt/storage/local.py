@@ -258,6 +258,9 @@ class LocalStorage(Storage):
         if os.path.exists(full):
             shutil.rmtree(full)  # second try raises with the reason
 
+    def rename(self, src: str, dst: str) -> None:
+        os.replace(self._p(src), self._p(dst))
+
     def move_prefix(self, src: str, dst: str, first: str | None = None) -> None:
         os.makedirs(os.path.dirname(self._p(dst)), exist_ok=True)
         fault("rename")
