@@ -52,7 +52,7 @@ from torchtitan.components.checkpointer import (
 from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer
 
 from . import layout, rng, serialization
-from .dcp_io import METADATA, SeamReader, SeamWriter
+from .dcp_io import METADATA, SavePlanner, SeamReader, SeamWriter
 from .dcp_metadata import load_metadata
 from .errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
 from .staging import SnapshotBuffers
@@ -192,7 +192,7 @@ class TrainerCheckpointer:
         store: Storage,
         state: dict[str, Any],
         rank_snap: serialization.Snapshot,
-        pg: dist.ProcessGroup,
+        pg: dist.ProcessGroup | None,
     ) -> list[dict]:
         try:
             staged = self._stage(state)
@@ -263,9 +263,11 @@ class TrainerCheckpointer:
         trainer); the buffers are kept, so later saves copy without allocating."""
         return self._snapshot.copy(state)
 
-    def _background_pg(self) -> dist.ProcessGroup:
+    def _background_pg(self) -> dist.ProcessGroup | None:
         """A gloo group of our own, as TorchTitan's async mode makes: the background DCP
         collectives never interleave with training collectives on the default group."""
+        if self.world_size == 1:
+            return None  # no collectives at all
         if self._save_pg is None:
             self._save_pg = dist.new_group(backend="gloo")
         return self._save_pg
@@ -280,7 +282,14 @@ class TrainerCheckpointer:
         store.makedirs(layout.TRAINER)  # the coordinator made it; a bare DCP user may not
         writer = SeamWriter(store, thread_count=self.write_threads)
         with _dcp_errors(self.rank):
-            dcp.save(state, storage_writer=writer, process_group=pg)
+            # One rank: no collectives (DCP would still pickle its plans through gloo).
+            dcp.save(
+                state,
+                storage_writer=writer,
+                planner=SavePlanner(),
+                process_group=pg,
+                no_dist=self.world_size == 1,
+            )
         relpath = layout.trainer_rank_file(self.rank)
         records = [*writer.records, rank_snap.write_to(store, relpath)]
         store.sync_dir(layout.TRAINER)

@@ -1,0 +1,59 @@
+"""`dcp_io.SavePlanner`: reusing the `torch.save` bytes of repeated small values changes
+nothing in the files DCP writes, and no value is mistaken for an equal one of another kind."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
+
+from forge_ckpt.dcp_io import SavePlanner
+
+VALUES = {
+    "zero": 0.0,
+    "negative_zero": -0.0,
+    "nan": float("nan"),
+    "one": 1,
+    "true": True,
+    "one_float": 1.0,
+    "none": None,
+    "text": "adamw",
+    "betas": (0.9, 0.95),
+    "nested": {"lr": 1e-3, "flag": False, "list": [1, 2]},  # a list: not cached
+    "w": torch.arange(12, dtype=torch.float32).reshape(3, 4),
+}
+
+
+def _state() -> dict:
+    groups = {f"group{i}": {"lr": 1e-3, "eps": 1e-8, "fused": False} for i in range(20)}
+    return {**VALUES, "param_groups": groups}
+
+
+def _save(folder: Path, planner: DefaultSavePlanner) -> None:
+    dcp.save(_state(), storage_writer=FileSystemWriter(folder), planner=planner, no_dist=True)
+
+
+def test_same_files_as_the_default_planner(tmp_path: Path) -> None:
+    _save(tmp_path / "default", DefaultSavePlanner())
+    for n in range(2):  # the second save is served from the bytes kept by the first
+        _save(tmp_path / f"ours{n}", SavePlanner())
+        shards = sorted(p.name for p in (tmp_path / "default").glob("*.distcp"))
+        assert shards == sorted(p.name for p in (tmp_path / f"ours{n}").glob("*.distcp"))
+        for name in shards:
+            ours = (tmp_path / f"ours{n}" / name).read_bytes()
+            assert ours == (tmp_path / "default" / name).read_bytes(), name
+
+
+def test_equal_values_of_other_kinds_stay_apart(tmp_path: Path) -> None:
+    _save(tmp_path / "ours", SavePlanner())
+    out = {k: (torch.zeros(3, 4) if k == "w" else None) for k in VALUES}
+    out["nested"] = {"lr": None, "flag": None, "list": None}
+    dcp.load(out, checkpoint_id=tmp_path / "ours", no_dist=True)
+    assert str(out["negative_zero"]) == "-0.0" and str(out["zero"]) == "0.0"
+    assert out["nan"] != out["nan"]
+    assert type(out["one"]) is int and type(out["true"]) is bool and type(out["one_float"]) is float
+    assert out["betas"] == (0.9, 0.95) and out["text"] == "adamw" and out["none"] is None
+    assert out["nested"] == VALUES["nested"]
+    assert torch.equal(out["w"], VALUES["w"])
