@@ -11,7 +11,7 @@ from typing import Any  # noqa: E402
 from . import reshard  # noqa: E402  (ready-made resharding rules)
 from .actor import Checkpointable  # noqa: E402
 from .config import CheckpointConfig  # noqa: E402
-from .coordinator import CheckpointCoordinator, LoadResult, SaveResult  # noqa: E402
+from .coordinator import CheckpointCoordinator  # noqa: E402
 from .errors import (  # noqa: E402
     CheckpointCorruptError,
     CheckpointError,
@@ -26,6 +26,7 @@ from .immutable import Immutable, immutable  # noqa: E402
 from .remote_errors import describe as describe_failure  # noqa: E402
 from .remote_errors import is_lost  # noqa: E402
 from .reshard import ReshardRule  # noqa: E402
+from .results import LoadResult, SaveResult  # noqa: E402
 from .storage import StorageError  # noqa: E402
 
 __all__ = [

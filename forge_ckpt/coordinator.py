@@ -18,7 +18,6 @@ import logging
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -38,32 +37,10 @@ from .memory.choose import candidates as load_candidates
 from .memory.tier import open_tier
 from .remote_errors import describe, gather_units, save_error
 from .reshard import ReshardRule
+from .results import LoadResult, SaveResult
 from .storage import FileRecord, Storage, StorageSpec, open_storage
 
 log = logging.getLogger("forge_ckpt")
-
-
-@dataclass
-class SaveResult:
-    """What one save wrote. In async mode `save()` returns it with `committed=False`;
-    `wait()` returns the completed one."""
-
-    step: int
-    path: str
-    nbytes: int = 0
-    blocked_s: float = 0.0  # how long save() held the caller (the snapshot)
-    total_s: float = 0.0  # until the commit marker was durable
-    seconds: dict[str, float] = field(default_factory=dict)  # per component, until durable
-    committed: bool = False
-
-
-@dataclass
-class LoadResult:
-    step: int
-    extra: Any
-    path: str
-    manifest: layout.Manifest
-    tier: str = "durable"  # or "memory"
 
 
 class CheckpointCoordinator:
