@@ -23,7 +23,7 @@ run-s3: setup
 	$(PY) -m apps.seaweed run --dir runs/seaweed -- $(PY) -m apps.grpo.main --config configs/grpo.yaml checkpoint.folder=s3://forge-ckpt/grpo
 
 test: setup
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q --durations=25 $(PYTEST_ARGS)
 
 bench: setup
 	$(PY) -m benchmarks.run --merge-gpu docs/benchmarks_gpu.json
