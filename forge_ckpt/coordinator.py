@@ -67,6 +67,9 @@ class CheckpointCoordinator:
         self._groups: dict[str, Group] = {}
         self._pending: asyncio.Task | None = None
         self._branch_from: int | None = None  # set by a load of an older step (rollback)
+        # store url -> a step no newer than which anything is committed there (we are the
+        # only writer): a save of a newer step skips listing the steps before its cut.
+        self._newest_seen: dict[str, int] = {}
         self._commit_lock = threading.Lock()  # close() never releases the lease mid-commit
         self._closed = False
         self.tier = open_tier(config, self._lease.release)  # None: no memory tier
@@ -172,7 +175,10 @@ class CheckpointCoordinator:
             if self.tier is not None:
                 commit.retire_after(self.tier.store, self._branch_from)
             self._branch_from = None
+        if step > self._newest_seen.get(store.url, step):
+            return False
         committed = layout.committed_steps(store)
+        self._newest_seen[store.url] = committed[-1] if committed else 0
         if step in committed:
             log.warning("step %d is already committed; nothing to save", step)
             return True
@@ -229,6 +235,8 @@ class CheckpointCoordinator:
             self._check_open()
             target = self.store if store is None else store
             commit.commit_step(target, manifest, self._lease.renew, self._signer)
+            seen = self._newest_seen.get(target.url, 0)
+            self._newest_seen[target.url] = max(seen, manifest.step)
 
     async def _persisted(
         self, units: list[Unit], result: SaveResult, start: float
@@ -343,6 +351,7 @@ class CheckpointCoordinator:
         """
         await self.wait()
         self._check_open()
+        self._newest_seen.clear()
         exclude = set(exclude)
         marked = await asyncio.to_thread(layout.marked_steps, self.store)
         mem = await asyncio.to_thread(self.tier.steps) if self.tier is not None else []

@@ -150,6 +150,19 @@ async def test_round_trip_and_rng_resume(ray_local, tmp_path):
     coord2.close()
 
 
+async def test_same_or_older_step_after_saves_of_this_coordinator(ray_local, tmp_path, caplog):
+    """A save of a step newer than any this coordinator committed skips listing the folder;
+    the same step again, or an older one, is still caught."""
+    coord, _, _ = await build(config(tmp_path))
+    await coord.save(2)
+    await coord.save(4)
+    assert (await coord.save(4)).committed and "step 4 is already committed" in caplog.text
+    with pytest.raises(CheckpointSaveError, match="cannot save step 3: step 4 is newer"):
+        await coord.save(3)
+    assert (await coord.save(5)).committed and coord.steps() == [2, 4, 5]
+    coord.close()
+
+
 async def test_fresh_folder_loads_nothing(ray_local, tmp_path):
     coord, _, _ = await build(config(tmp_path))
     assert await coord.load() is None and coord.steps() == []
