@@ -192,7 +192,7 @@ class TrainerCheckpointer:
         store: Storage,
         state: dict[str, Any],
         rank_snap: serialization.Snapshot,
-        pg: dist.ProcessGroup | None,
+        pg: dist.ProcessGroup,
     ) -> list[dict]:
         try:
             staged = self._stage(state)
@@ -263,11 +263,9 @@ class TrainerCheckpointer:
         trainer); the buffers are kept, so later saves copy without allocating."""
         return self._snapshot.copy(state)
 
-    def _background_pg(self) -> dist.ProcessGroup | None:
+    def _background_pg(self) -> dist.ProcessGroup:
         """A gloo group of our own, as TorchTitan's async mode makes: the background DCP
         collectives never interleave with training collectives on the default group."""
-        if self.world_size == 1:
-            return None  # no collectives at all
         if self._save_pg is None:
             self._save_pg = dist.new_group(backend="gloo")
         return self._save_pg
@@ -282,13 +280,13 @@ class TrainerCheckpointer:
         store.makedirs(layout.TRAINER)  # the coordinator made it; a bare DCP user may not
         writer = SeamWriter(store, thread_count=self.write_threads)
         with _dcp_errors(self.rank):
-            # One rank: no collectives (DCP would still pickle its plans through gloo).
+            # One rank: no plan exchange (DCP would still pickle its plans through gloo).
             dcp.save(
                 state,
                 storage_writer=writer,
                 planner=SavePlanner(),
                 process_group=pg,
-                no_dist=self.world_size == 1,
+                use_collectives=self.world_size > 1,
             )
         relpath = layout.trainer_rank_file(self.rank)
         records = [*writer.records, rank_snap.write_to(store, relpath)]
