@@ -280,14 +280,7 @@ class TrainerCheckpointer:
         store.makedirs(layout.TRAINER)  # the coordinator made it; a bare DCP user may not
         writer = SeamWriter(store, thread_count=self.write_threads)
         with _dcp_errors(self.rank):
-            # One rank: no plan exchange (DCP would still pickle its plans through gloo).
-            dcp.save(
-                state,
-                storage_writer=writer,
-                planner=SavePlanner(),
-                process_group=pg,
-                use_collectives=self.world_size > 1,
-            )
+            dcp.save(state, storage_writer=writer, planner=SavePlanner(), process_group=pg)
         relpath = layout.trainer_rank_file(self.rank)
         records = [*writer.records, rank_snap.write_to(store, relpath)]
         store.sync_dir(layout.TRAINER)
