@@ -352,6 +352,8 @@ class CheckpointCoordinator:
         await self.wait()
         self._check_open()
         self._newest_seen.clear()
+        if self.tier is not None:
+            self.tier.relist()
         exclude = set(exclude)
         marked = await asyncio.to_thread(layout.marked_steps, self.store)
         mem = await asyncio.to_thread(self.tier.steps) if self.tier is not None else []

@@ -147,6 +147,31 @@ async def test_a_node_that_joins_later_gets_a_holder(nodes, s3_folder):
         nodes.restore()
 
 
+async def test_memory_retention_across_a_rollback(nodes, s3_folder):
+    """Memory keeps the newest `memory_keep` steps; after a load of an older memory step the
+    next saves retire the abandoned branch and retention keeps the new one."""
+    cfg = config(s3_folder.url, s3_folder.options, memory_keep=2, durable_every=1000)
+    coord = CheckpointCoordinator(cfg)
+    actor = cu.Buffer.options(**cu.on("node_a")).remote(0)
+    coord.register("dataset", actor)
+    try:
+        for step in (1, 2, 3, 4):
+            await actor.step.remote()
+            await coord.save(step)
+        assert coord.tier.steps() == [3, 4]
+        loaded = await coord.load(step=3)
+        assert (loaded.step, loaded.tier) == (3, "memory")
+        at_3 = (await actor.state_dict.remote())["history"]
+        for step in (4, 5):
+            await actor.step.remote()
+            await coord.save(step)
+        assert coord.tier.steps() == [4, 5]
+        await coord.load(step=4)
+        assert (await actor.state_dict.remote())["history"][:3] == at_3
+    finally:
+        coord.close()
+
+
 def test_large_reads_are_spread_over_the_copies(nodes, s3_folder, monkeypatch):
     """A file written from the head has its 2 copies on node_a and node_b: a large read
     from the head fetches parts from both; whole and ranged reads return the bytes."""

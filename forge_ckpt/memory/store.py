@@ -198,9 +198,10 @@ class MemoryStorage(Storage):
         return [ok for _, ok in done]
 
     def create(self, path: str, data: bytes) -> str:
-        if any(has[0] for _, has in self.on_all("has", [self.key(path)])):
+        # One round trip: a holder that has the file keeps it and says so. (Holders disagree
+        # only after a crash mid-create, and a step with any marker is never saved again.)
+        if not all(self._everywhere(path, data, overwrite=False)):
             raise AlreadyExistsError(f"{self.where(path)} already exists")
-        self._everywhere(path, data, overwrite=True)
         return crc32c_of_bytes(data)
 
     def replace(self, path: str, data: bytes, tag: str) -> str:

@@ -54,6 +54,7 @@ class MemoryTier:
         self.namespace = str(config.memory_namespace)
         self._use(self._start_holders(_alive_nodes()))
         self.saves = 0
+        self._recent: list[int] | None = None  # memory steps for retention (None: list them)
         self._persisting: asyncio.Task | None = None
         self._checked_nodes = time.monotonic()
         commit.remove_uncommitted(self.store)  # a crashed driver's half-saved memory step
@@ -149,6 +150,7 @@ class MemoryTier:
         """Drop every memory step (marker first): a run that starts over."""
         for step in layout.all_steps(self.store):
             commit.remove_step(self.store, step)
+        self._recent = None
 
     # ---- steps -------------------------------------------------------------------------
     def steps(self) -> list[int]:
@@ -187,8 +189,7 @@ class MemoryTier:
         every `durable_every`-th save), in the background (one persist at a time; `flush()`
         raises its error). `persist`: the coordinator's commit and durable retention."""
         commit_fn, retention = persist
-        keep = commit.RetentionPolicy(keep_last=self.config.memory_keep)
-        await asyncio.to_thread(commit.apply_retention, self.store, keep)
+        await asyncio.to_thread(self._retention, manifest.step)
         await asyncio.to_thread(self.add_new_nodes)
         self.saves += 1
         if not (self.saves % self.config.durable_every == 0 if due is None else due):
@@ -202,6 +203,22 @@ class MemoryTier:
 
         self._persisting = asyncio.create_task(run())
         self._persisting.add_done_callback(_log_failure)
+
+    def _retention(self, step: int) -> None:
+        """Drop the memory steps beyond `memory_keep`. The steps are listed once; after that
+        this tier's own commits are the list (a step lost with its holders is dropped again
+        harmlessly), which saves a listing and two reads per step at every save."""
+        if self._recent is None:
+            self._recent = self.steps()
+        self._recent = sorted({*self._recent, step})
+        keep = commit.RetentionPolicy(keep_last=self.config.memory_keep)
+        for old in keep.to_delete(self._recent):
+            commit.remove_step(self.store, old)
+            self._recent.remove(old)
+
+    def relist(self) -> None:
+        """The steps changed other than by our commits (a load may retire a branch)."""
+        self._recent = None
 
     async def flush(self) -> None:
         """Wait for a persist in flight; raises its error."""
