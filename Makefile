@@ -31,6 +31,7 @@ bench: setup
 	$(PY) -m benchmarks.tiers
 	$(PY) -m benchmarks.stall
 	$(PY) -m benchmarks.grpo_overhead
+	$(PY) -m benchmarks.grpo_save
 
 lint: setup
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check . && $(VENV)/bin/mypy

@@ -106,20 +106,19 @@ def markdown(res: dict[str, Any]) -> str:
         lines.append(f"| {v} | {res['median_step_s'][v] * 1e3:.1f} ms | {over} |")
     lines += [
         "",
-        "**Missed** on this machine. A memory save of this job is a few MB; what it costs "
-        "was profiled once in the driver (sync, 25 saves): about 295 ms a save. The trainer "
-        "rank's part is about 265 ms: DCP writes TorchTitan's flattened optimizer state as "
-        "about 260 small items, each through `torch.save` (about 150 ms for the trainer even "
-        "to the local disk), and each file's two copies cost tens of ms (`ray.put` and two "
-        "holder puts, on 2 cores shared by 3 raylets, the holders and the job). The four "
-        "actors take about 45 ms each, in parallel; the coordinator's own work (listing the "
-        "steps, manifest and COMMIT on every holder, retention) about 45 ms. So here a save "
-        "takes longer than this toy step: in sync mode the loop pays it all; in deferred "
-        "mode it overlaps the next step, but the next `save()` still waits for it and it "
-        "shares the 2 cores with the step. Extrapolated, not measured: 3% needs steps of "
-        "about 10 s or more (300 ms / 0.03), as in RL jobs whose generation takes seconds to "
-        "minutes; on a real cluster the copies and the commit also run on other machines' "
-        "cores.",
+        "**Missed** on this machine. The trainer's share of a memory save is measured on its "
+        "own in the next section (`benchmarks.grpo_save`): most of it is DCP writing "
+        "TorchTitan's state as hundreds of small items (each tensor through `torch.save`; the "
+        "repeated values of the flattened optimizer param groups are now serialized once per "
+        "process), and each file's two copies cost a call to each holder, on 2 cores shared "
+        "by 3 raylets, the holders and the job. The four actors save in parallel with it; "
+        "the coordinator then writes the manifest and COMMIT to every holder and drops old "
+        "memory steps. Here that takes longer than this toy step: in sync mode the loop pays "
+        "it all; in deferred mode it overlaps the next step, but the next `save()` waits for "
+        "it and it shares the 2 cores with the step. Extrapolated, not measured: in sync "
+        "mode 3% needs steps about 33 times longer than a save (about 5 s here), as in RL "
+        "jobs whose generation takes seconds to minutes; deferred mode needs less, and on a "
+        "real cluster the copies and the commit also run on other machines' cores.",
         end,
     ]
     return "\n".join(lines)
