@@ -25,7 +25,6 @@ import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from typing import Any
 
@@ -138,15 +137,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.quick:
         args.steps, args.trials = 12, 1
-    os.makedirs("runs", exist_ok=True)
-    root = tempfile.mkdtemp(prefix="grpo-overhead-", dir=os.path.abspath("runs"))
-    try:
-        res = measure(args, root)
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
-    if not args.quick:
-        sections.write_section("grpo", markdown(res), res)
-    print(markdown(res))
+    sections.measure_and_write("grpo", lambda root: measure(args, root), markdown,
+                               write=not args.quick)  # fmt: skip
     return 0
 
 

@@ -18,9 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import shutil
 import statistics
-import tempfile
 import time
 from typing import Any
 
@@ -125,15 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.quick:
         args.saves = 5
-    os.makedirs("runs", exist_ok=True)
-    root = tempfile.mkdtemp(prefix="grpo-save-", dir=os.path.abspath("runs"))
-    try:
-        res = measure(args, root)
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
-    if not args.quick:
-        sections.write_section("grpo_save", markdown(res), res)
-    print(markdown(res))
+    sections.measure_and_write("grpo_save", lambda root: measure(args, root), markdown,
+                               write=not args.quick)  # fmt: skip
     return 0
 
 

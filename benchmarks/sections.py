@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import tempfile
+from collections.abc import Callable
 from typing import Any
 
 
@@ -29,3 +32,23 @@ def write_section(name: str, block: str, results: dict[str, Any], docs: str = "d
         text = (text.rstrip() + "\n\n" if text.strip() else "") + block.rstrip() + "\n"
     with open(path, "w") as f:
         f.write(text)
+
+
+def measure_and_write(
+    name: str,
+    measure: Callable[[str], dict[str, Any]],
+    markdown: Callable[[dict[str, Any]], str],
+    write: bool = True,
+) -> dict[str, Any]:
+    """`measure(scratch)` in a fresh folder under runs/ (removed after, even on error); then
+    section `name` is written (unless `write` is false: a quick run) and printed."""
+    os.makedirs("runs", exist_ok=True)
+    root = tempfile.mkdtemp(prefix=f"{name}-", dir=os.path.abspath("runs"))
+    try:
+        res = measure(root)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    if write:
+        write_section(name, markdown(res), res)
+    print(markdown(res))
+    return res
