@@ -145,8 +145,12 @@ class SeaweedServer:
         # weed reads master.toml from its cwd: one new volume per bucket (collection), not 7, so
         # that a test run with hundreds of buckets does not run out of volume slots.
         (self.workdir / "master.toml").write_text(MASTER_TOML)
+        # The server dies with the process that started it, even one killed without a chance to
+        # stop it (a SIGKILLed test run): util-linux `setpriv` sets the parent-death signal.
+        setpriv = shutil.which("setpriv")
+        guard = [setpriv, "--pdeathsig", "TERM"] if setpriv else []
         return [
-            weed, "server", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+            *guard, weed, "server", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
             f"-master.port={master}", f"-volume.port={volume}", f"-filer.port={filer}",
             "-s3", f"-s3.port={s3}", f"-s3.config={ids}",
             "-s3.port.iceberg=0", "-s3.port.lance=0",  # their fixed default ports would clash

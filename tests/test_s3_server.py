@@ -188,3 +188,41 @@ def test_cli_runs_command_with_env(tmp_path) -> None:
     assert done.returncode == 3, done.stderr
     assert done.stdout.split() == ["cli"]
     assert (tmp_path / "weed.log").exists()
+
+
+def test_server_dies_with_the_process_that_started_it(tmp_path) -> None:
+    """A test run killed without cleanup (SIGKILL) leaves no `weed server` behind."""
+    import os
+    import shutil
+    import signal
+    import subprocess
+    import sys
+
+    from apps.seaweed import find_weed
+
+    if find_weed() is None or shutil.which("setpriv") is None:
+        pytest.skip("needs the `weed` binary and util-linux `setpriv`")
+    script = (
+        "import sys, time; from apps.seaweed import SeaweedServer;"
+        f"s = SeaweedServer({str(tmp_path)!r}); s.start(); print(s._proc.pid, flush=True);"
+        "time.sleep(600)"
+    )
+    starter = subprocess.Popen(
+        [sys.executable, "-c", script],
+        cwd=Path(__file__).resolve().parent.parent,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert starter.stdout is not None
+    weed_pid = int(starter.stdout.readline())
+    os.kill(starter.pid, signal.SIGKILL)
+    starter.wait()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            os.kill(weed_pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
+    os.kill(weed_pid, signal.SIGKILL)
+    pytest.fail(f"weed server {weed_pid} outlived the killed process that started it")
