@@ -25,7 +25,6 @@ import shutil
 import statistics
 import subprocess
 import sys
-import time
 from typing import Any
 
 from . import disk, sections
@@ -79,9 +78,9 @@ def measure(args: argparse.Namespace, root: str) -> dict[str, Any]:
         "median_step_s": med,
         "overhead": overhead,
         "rows": rows,
-        "command": f"python -m benchmarks.grpo_overhead --steps {args.steps} --trials {args.trials}",
-        "date": time.strftime("%Y-%m-%d"),
-        "cpus": os.cpu_count(),
+        **sections.stamp(
+            f"python -m benchmarks.grpo_overhead --steps {args.steps} --trials {args.trials}"
+        ),
     }
 
 

@@ -88,9 +88,7 @@ def measure(args: argparse.Namespace, root: str) -> dict[str, Any]:
     return {
         "saves": args.saves,
         "rows": rows,
-        "command": f"python -m benchmarks.grpo_save --saves {args.saves}",
-        "date": time.strftime("%Y-%m-%d"),
-        "cpus": os.cpu_count(),
+        **sections.stamp(f"python -m benchmarks.grpo_save --saves {args.saves}"),
     }
 
 

@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -32,6 +33,11 @@ def write_section(name: str, block: str, results: dict[str, Any], docs: str = "d
         text = (text.rstrip() + "\n\n" if text.strip() else "") + block.rstrip() + "\n"
     with open(path, "w") as f:
         f.write(text)
+
+
+def stamp(command: str) -> dict[str, Any]:
+    """What every results file records about its run: the command, the day, the cores."""
+    return {"command": command, "date": time.strftime("%Y-%m-%d"), "cpus": os.cpu_count()}
 
 
 def measure_and_write(

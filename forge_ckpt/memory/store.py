@@ -153,8 +153,8 @@ class MemoryStorage(Storage):
         return done
 
     def _put(self, h: HolderRef, what: tuple[str, Any, FileRecord], refresh: bool) -> Any | None:
-        """Start one holder's put of (key, object ref, record); None if there is no such
-        holder (any more)."""
+        """Start one holder's put of (key, object ref or the small file's bytes, record); None
+        if there is no such holder (any more)."""
         key, ref, record = what
         try:
             return self.handle(h[0], refresh).put.remote(key, [ref], record.to_dict())
