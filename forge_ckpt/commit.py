@@ -83,6 +83,16 @@ def remove_step(store: Storage, step: int) -> None:
     store.delete_prefix(name)
 
 
+def remove_if_uncommitted(store: Storage, step: int) -> bool:
+    """Remove an aborted save's step unless it has a marker (then it is committed, or the
+    abort cannot tell: a step is never removed on a guess). True if removed."""
+    if store.exists(f"{layout.step_name(step)}/{layout.MARKER}"):
+        log.warning("step %d has a commit marker: not removing it", step)
+        return False
+    store.delete_prefix(layout.step_name(step))
+    return True
+
+
 def quarantine_step(store: Storage, step: int) -> str:
     """Move a damaged committed step aside (kept for inspection, reported by `forge-ckpt
     list`), so that the same step number can be committed again."""

@@ -6,9 +6,12 @@ check it matches the job, prepare every unit, then apply), and lifetime.
 
 Timelines: "newest" is the step committed last. Step numbers only grow along a timeline, so
 the newest is also the highest number, with one exception that the coordinator resolves: after
-`load(step=K)` with newer steps in the folder (a rollback), the first save retires those
-newer steps (marker first) before it commits, so the abandoned branch can never be resumed
-or outlive the new branch in retention.
+`load(step=K)` with newer steps in the folder (a rollback), the first save starts a new branch
+whose manifest names the steps it abandons; they stay until it commits and are removed right
+after (branch.py), so a failed save loses nothing and the abandoned branch is never resumed.
+
+The protocol's rules and the invariants the simulation (forge_ckpt.sim) checks are in
+docs/protocol.md.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from typing import Any
 
 import torch
 
-from . import __version__, commit, components, layout
+from . import __version__, branch, commit, components, layout
 from .components import Group, Unit, actor_group, trainer_group
 from .config import CheckpointConfig
 from .errors import (
@@ -38,6 +41,7 @@ from .memory.tier import open_tier
 from .remote_errors import describe, gather_units, save_error
 from .reshard import ReshardRule
 from .results import LoadResult, SaveResult
+from .runtime import DEFAULT, Runtime
 from .storage import FileRecord, Storage, StorageSpec, open_storage
 
 log = logging.getLogger("forge_ckpt")
@@ -46,15 +50,24 @@ log = logging.getLogger("forge_ckpt")
 class CheckpointCoordinator:
     """Orchestrates save and load of one RL job; the only writer of its checkpoint folder."""
 
-    def __init__(self, config: CheckpointConfig) -> None:
+    def __init__(self, config: CheckpointConfig, *, runtime: Runtime = DEFAULT) -> None:
+        """`runtime`: threads and clocks (forge_ckpt.sim passes its deterministic ones)."""
         self.config = config
+        self._rt = runtime
         self.store = open_storage(config.storage)
         self._signer = config.signer
-        self._lease = Lease(self.store, config.lease_ttl_s)
+        self._lease = Lease(
+            self.store,
+            config.lease_ttl_s,
+            clock=runtime.wall,
+            renew_in_background=runtime.lease_thread,
+            identity=runtime.identity,
+        )
         try:
             self.store.makedirs("")
             self._lease.acquire()
             commit.remove_uncommitted(self.store)
+            branch.recover(self.store)
         except OSError as e:
             self._lease.release()
             raise CheckpointError(
@@ -70,7 +83,11 @@ class CheckpointCoordinator:
         # store url -> a step no newer than which anything is committed there (we are the
         # only writer): a save of a newer step skips listing the steps before its cut.
         self._newest_seen: dict[str, int] = {}
-        self._commit_lock = threading.Lock()  # close() never releases the lease mid-commit
+        self._commit_lock = threading.Lock()  # one commit at a time (a save's, a persist's)
+        # close() never releases the lease mid-commit: it asks the commit to, when done.
+        self._state = threading.Lock()  # held only for a few lines, never across I/O
+        self._committing = 0
+        self._close_requested = False
         self._closed = False
         self.tier = open_tier(config, self._lease.release)  # None: no memory tier
 
@@ -107,9 +124,6 @@ class CheckpointCoordinator:
             raise ValueError(f"register({name!r}, []) needs at least one actor")
         self._groups[name] = actor_group(name, handles, reshard, optional)
 
-    def _units(self) -> list[Unit]:
-        return [u for g in self._groups.values() for u in g.units]
-
     # ---- save ---------------------------------------------------------------------------
 
     async def save(
@@ -128,15 +142,20 @@ class CheckpointCoordinator:
         mode = self.config.async_mode
         background, defer = mode != "sync", mode == "deferred"
         start = time.perf_counter()
+        prepared = False  # only a folder this save prepared is ever removed by its abort
         try:
-            if await asyncio.to_thread(self._skip_or_branch, step, store):
+            plan = await self._rt.to_thread(self._check_step, step, store)
+            if plan is None:
                 return SaveResult(step, where.url, committed=True)
-            await asyncio.to_thread(commit.prepare_step, store, step)
+            prepared = True
+            await self._rt.to_thread(commit.prepare_step, store, step)
         except OSError as e:
-            await self._discard(step, store)
+            if prepared:
+                await self._discard(step, store)
             lines = [f"preparing the step: {describe(e)}"]
             raise save_error(self._newest(), step, lines) from e
-        units = self._units()
+        groups = dict(self._groups)  # what this save holds, whatever register() does meanwhile
+        units = [u for g in groups.values() for u in g.units]
         calls = [u.begin(where, background, defer) for u in units]  # submitted: the cut
         begun = self._snapshots(units, calls, step, store)
         result = SaveResult(step, where.url)
@@ -144,7 +163,13 @@ class CheckpointCoordinator:
             result.nbytes = await begun
         result.blocked_s = time.perf_counter() - start
         finish = self._finish_save(
-            result, units, start, extra, store, durable=durable, begun=begun if defer else None
+            result,
+            groups,
+            extra,
+            store,
+            plan,
+            durable=durable,
+            begun=begun if defer else None,
         )
         if not background:
             return await finish
@@ -168,56 +193,81 @@ class CheckpointCoordinator:
             return self.tier.store, self.tier.spec
         return self.store, self.config.storage
 
-    def _skip_or_branch(self, step: int, store: Storage) -> bool:
-        """True if `step` is already committed; retires an abandoned branch first."""
+    def _check_step(self, step: int, store: Storage) -> list[tuple[int, float]] | None:
+        """None if `step` is already committed; else the steps this save abandons (after a
+        rollback). Refuses a step older than the newest of either tier. A step of the
+        abandoned branch with this very number is replaced explicitly: it goes first."""
         if self._branch_from is not None and step > self._branch_from:
-            commit.retire_after(self.store, self._branch_from)
-            if self.tier is not None:
+            abandons = branch.abandoned_by(self.store, self._branch_from)
+            if any(s == step for s, _ in abandons):
+                log.warning("rollback: setting step %d of the abandoned branch aside", step)
+                branch.set_aside(self.store, step)
+            if self.tier is not None:  # memory steps are copies, not the branch's record
                 commit.retire_after(self.tier.store, self._branch_from)
-            self._branch_from = None
+            return abandons
         if step > self._newest_seen.get(store.url, step):
-            return False
-        committed = layout.committed_steps(store)
-        self._newest_seen[store.url] = committed[-1] if committed else 0
-        if step in committed:
-            log.warning("step %d is already committed; nothing to save", step)
-            return True
-        if committed and step < committed[-1]:
+            return []
+        stores = [store] if store is self.store else [store, self.store]
+        newest = 0
+        for s in stores:  # a memory save must not go behind a newer durable step either
+            committed = layout.committed_steps(s)
+            if s is store and step in committed:
+                log.warning("step %d is already committed; nothing to save", step)
+                return None
+            newest = max(newest, committed[-1] if committed else 0)
+        self._newest_seen[store.url] = newest
+        if step < newest:
             raise CheckpointSaveError(
-                f"cannot save step {step}: step {committed[-1]} is newer in "
+                f"cannot save step {step}: step {newest} is newer in "
                 f"{self.config.folder}. To branch from an older step, load(step=...) it first "
-                "(the newer steps are then retired at the next save)"
+                "(the newer steps are then retired once the first save of the new branch "
+                "commits)"
             )
-        return False
+        return []
 
     async def _finish_save(
         self,
         result: SaveResult,
-        units: list[Unit],
-        start: float,
+        groups: dict[str, Group],
         extra: Any,
         store: Storage,
+        abandons: list[tuple[int, float]],
         *,
         durable: bool | None,
         begun: Awaitable[int] | None,
     ) -> SaveResult:
+        units = [u for g in groups.values() for u in g.units]
+        start = time.perf_counter() - result.blocked_s
         if begun is not None:  # deferred: the snapshots were awaited by nobody yet
             result.nbytes = await begun
+        committing = False
         try:
             records = await self._persisted(units, result, start)
-            manifest = self._manifest(result.step, records, result.seconds, extra)
-            await asyncio.to_thread(self._commit, manifest, store)
+            manifest = self._manifest(groups, result.step, records, result.seconds, extra)
+            manifest.supersedes = abandons
+            committing = True  # from here on the step may become visible: never abort it
+            await self._rt.to_thread(self._commit, manifest, store)
         except BaseException as e:
-            await self._abort(units, result.step, e, store)
+            if not committing:
+                await self._abort(units, result.step, e, store)
+            elif isinstance(e, Exception) and not isinstance(e, CheckpointError):
+                e = CheckpointSaveError(
+                    f"step {result.step}: the commit's outcome is unknown ({describe(e)}); "
+                    "it was left as it is: the next load() loads it if its marker landed, and "
+                    "the next start removes it if not"
+                )
             if isinstance(e, (OSError, ValueError)):
                 raise save_error(self._newest(), result.step, [f"commit: {describe(e)}"]) from e
-            raise
+            raise e
         result.nbytes = manifest.nbytes
         result.total_s = time.perf_counter() - start
         result.committed = True
         log.info(
             "committed step %d: %.1f MB in %.2fs", result.step, result.nbytes / 1e6, result.total_s
         )
+        if abandons:  # the new branch is committed: the abandoned one goes now
+            await self._rt.to_thread(branch.retire_superseded, self.store)
+            self._branch_from = None
         if self.tier is not None and store is self.tier.store:  # maybe persisted, later
             persist = (self._commit, self._retention)
             await self.tier.committed(manifest, self.store, persist, durable)
@@ -226,17 +276,30 @@ class CheckpointCoordinator:
         return result
 
     async def _retention(self) -> None:
-        removed = await asyncio.to_thread(commit.apply_retention, self.store, self.config.retention)
+        policy = self.config.retention
+        removed = await self._rt.to_thread(commit.apply_retention, self.store, policy)
         if removed:
             log.info("retention removed steps %s", removed)
 
     def _commit(self, manifest: layout.Manifest, store: Storage | None = None) -> None:
-        with self._commit_lock:
-            self._check_open()
-            target = self.store if store is None else store
-            commit.commit_step(target, manifest, self._lease.renew, self._signer)
-            seen = self._newest_seen.get(target.url, 0)
-            self._newest_seen[target.url] = max(seen, manifest.step)
+        """Commit under the lease; a close() meanwhile releases the lease once this ends."""
+        with self._state:
+            if self._closed or self._close_requested:
+                raise CheckpointError("this CheckpointCoordinator is closed")
+            self._committing += 1
+        try:
+            with self._commit_lock:
+                target = self.store if store is None else store
+                commit.commit_step(target, manifest, self._lease.renew, self._signer)
+                seen = self._newest_seen.get(target.url, 0)
+                self._newest_seen[target.url] = max(seen, manifest.step)
+        finally:
+            with self._state:
+                self._committing -= 1
+                release = self._close_requested and self._committing == 0 and not self._closed
+                self._closed = self._closed or release
+            if release:
+                self._lease.release()
 
     async def _persisted(
         self, units: list[Unit], result: SaveResult, start: float
@@ -244,6 +307,8 @@ class CheckpointCoordinator:
         """Poll every unit until its files are durable; a unit never blocks its actor meanwhile."""
         records: dict[tuple[str, int], list[FileRecord]] = {}
         delay = 0.002
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.save_timeout_s
         while len(records) < len(units):
             waiting = [u for u in units if (u.name, u.index) not in records]
             done = await self._all(waiting, lambda u: u.status(), result.step, "write")
@@ -251,7 +316,7 @@ class CheckpointCoordinator:
                 if recs is not None:
                     records[(u.name, u.index)] = recs
                     result.seconds[u.name] = time.perf_counter() - start
-            if time.perf_counter() - start > self.config.save_timeout_s:
+            if loop.time() > deadline:
                 late = [u.label for u in units if (u.name, u.index) not in records]
                 raise save_error(
                     self._newest(),
@@ -267,9 +332,11 @@ class CheckpointCoordinator:
                 delay = min(delay * 2, 0.05)
         return records
 
-    def _manifest(self, step: int, records: dict, seconds: dict, extra: Any) -> layout.Manifest:
+    def _manifest(
+        self, groups: dict[str, Group], step: int, records: dict, seconds: dict, extra: Any
+    ) -> layout.Manifest:
         comps = {}
-        for name, group in self._groups.items():
+        for name, group in groups.items():
             files = [f for u in group.units for f in records[(name, u.index)]]
             for f in files:  # what a unit reported must stay inside the step folder
                 layout.check_relpath(f.path, f"{name}'s report")
@@ -282,7 +349,7 @@ class CheckpointCoordinator:
             extra=extra,
             fingerprint=self.config.fingerprint,
             versions={"forge_ckpt": __version__, "torch": torch.__version__},
-            created=time.time(),
+            created=self._rt.wall(),
             generation=self._lease.generation,
         )
 
@@ -306,9 +373,15 @@ class CheckpointCoordinator:
         await self._discard(step, store)
 
     async def _discard(self, step: int, store: Storage) -> None:
-        """Remove an aborted step's files; a failure here must not hide the save's own error."""
+        """Remove an aborted step's files; a failure here must not hide the save's own error.
+        Never without the lease: the folder may be another job's by now (it removes them)."""
+        if not self._lease.held:
+            log.warning("not removing the aborted step %d: the lease is no longer held", step)
+            return
         try:
-            await asyncio.to_thread(commit.remove_step, store, step)
+            await self._rt.to_thread(commit.remove_if_uncommitted, store, step)
+            if store is self.store and self._branch_from is not None:
+                await self._rt.to_thread(branch.put_back, store)
         except OSError as e:
             log.warning(
                 "could not remove aborted step %s (%s); it is not committed and will be "
@@ -349,14 +422,14 @@ class CheckpointCoordinator:
         "optimizer" keeps the trainer's fresh optimizer (weights-only fine-tuning). With
         `fallback`, a damaged step is moved to `quarantine/` and the next older one loaded.
         """
-        await self.wait()
+        await self._settle()
         self._check_open()
         self._newest_seen.clear()
         if self.tier is not None:
             self.tier.relist()
         exclude = set(exclude)
-        marked = await asyncio.to_thread(layout.marked_steps, self.store)
-        mem = await asyncio.to_thread(self.tier.steps) if self.tier is not None else []
+        marked = await self._rt.to_thread(self._loadable)
+        mem = await self._rt.to_thread(self.tier.steps) if self.tier is not None else []
         if step is not None and step not in marked and step not in mem:
             raise CheckpointError(
                 f"step {step} is not a committed step in {self.config.folder}; "
@@ -376,21 +449,34 @@ class CheckpointCoordinator:
                     continue
                 log.warning("step %d is corrupt (%s); falling back to %sstep %d", candidate, e,
                             "memory " if nxt[0] else "", nxt[1])  # fmt: skip
-                await asyncio.to_thread(commit.quarantine_step, self.store, candidate)
+                await self._rt.to_thread(commit.quarantine_step, self.store, candidate)
                 continue
             newest = max([*marked, *mem], default=None)
             self._branch_from = loaded.step if newest is not None and loaded.step < newest else None
             return loaded
         return None
 
+    def _loadable(self) -> list[int]:
+        """Marked durable steps, less those a committed newer branch abandoned."""
+        gone = branch.superseded(self.store)
+        return [s for s in layout.marked_steps(self.store) if s not in gone]
+
+    async def _settle(self) -> None:
+        """Before a load: let a background save or persist end. Its failure is logged, not
+        raised: a load chooses from what is committed, and recovery must not fail on it."""
+        try:
+            await self.wait()
+        except Exception as e:
+            log.warning("a background save or persist failed before this load: %s", e)
+
     async def _load_step(
         self, step: int, exclude: set[str], allow_mismatch: bool, in_mem: bool = False
     ) -> LoadResult:
         store, spec = self._target(in_mem)
         if in_mem and self.tier is not None:  # every file must still have a copy somewhere
-            await asyncio.to_thread(self.tier.check_whole, step)
+            await self._rt.to_thread(self.tier.check_whole, step)
         where = spec.child(layout.step_name(step))
-        manifest = await asyncio.to_thread(layout.read_committed, store, step, self._signer)
+        manifest = await self._rt.to_thread(layout.read_committed, store, step, self._signer)
         self._check_matches(manifest, exclude, allow_mismatch)
         verify = self.config.verify_on_load
         plan = await components.load_plan(self._groups, manifest, exclude, where, verify)
@@ -445,20 +531,27 @@ class CheckpointCoordinator:
     # ---- lifetime -----------------------------------------------------------------------
 
     def _check_open(self) -> None:
-        if self._closed:
+        if self._closed or self._close_requested:
             raise CheckpointError("this CheckpointCoordinator is closed")
 
     def close(self) -> None:
-        """Release the folder's lease. A commit in flight finishes first (it is never cut in
-        half); a background save that has not reached its commit is dropped, and its files
-        are removed at the next start. Prefer `await aclose()`, which flushes it."""
+        """Release the folder's lease; never blocks. A background save that has not begun
+        its commit is dropped (its files are removed at the next start); one whose commit is
+        running keeps it, and the lease is released when that commit ends (a commit is never
+        cut in half, and nothing is written after the release). Prefer `await aclose()`,
+        which flushes a background save."""
         if self._pending is not None and not self._pending.done():
             log.warning("close() with a background save still running: it will not commit")
             self._pending.cancel()
         if self.tier is not None:
             self.tier.cancel()
-        with self._commit_lock:
-            self._closed = True
+        with self._state:
+            if self._closed:
+                return
+            self._close_requested = True
+            release = self._committing == 0
+            self._closed = release
+        if release:
             self._lease.release()
 
     def wipe(self) -> None:

@@ -126,6 +126,8 @@ class Manifest:
     created: float = 0.0
     generation: int = 0  # the writer's lease generation (fencing token)
     format_version: int = FORMAT_VERSION
+    # Steps of an abandoned branch this step replaces (rollback): (step, their `created`).
+    supersedes: list[tuple[int, float]] = field(default_factory=list)
 
     @property
     def files(self) -> list[FileRecord]:
@@ -146,6 +148,8 @@ class Manifest:
             "extra": self.extra,
             "components": {k: c.to_dict() for k, c in sorted(self.components.items())},
         }
+        if self.supersedes:
+            d["supersedes"] = [list(p) for p in self.supersedes]
         return json.dumps(d, indent=1, sort_keys=False).encode()
 
     @classmethod
@@ -168,6 +172,7 @@ class Manifest:
                 created=float(d.get("created", 0.0)),
                 generation=int(d.get("generation", 0)),
                 format_version=version,
+                supersedes=[(int(a), float(b)) for a, b in d.get("supersedes", [])],
             )
         except CheckpointCorruptError:
             raise

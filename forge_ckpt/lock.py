@@ -20,6 +20,7 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from .errors import CheckpointLockedError
@@ -40,12 +41,26 @@ def _proc_start(pid: int) -> str | None:
 
 
 class Lease:
-    def __init__(self, store: Storage, ttl_s: float = 60.0) -> None:
+    def __init__(
+        self,
+        store: Storage,
+        ttl_s: float = 60.0,
+        *,
+        clock: Callable[[], float] = time.time,
+        renew_in_background: bool = True,
+        identity: dict[str, Any] | None = None,
+    ) -> None:
+        """`clock`: wall-clock seconds for every expiry decision; `renew_in_background=False`
+        starts no renewal thread (the caller renews, as the simulation does); `identity`
+        overrides this machine's host/pid in the lease (the simulation's processes)."""
         self.store = store
         self.ttl_s = ttl_s
         self.generation = 0
+        self._clock = clock
+        self._background = renew_in_background
+        self._identity = identity
         self._owner = uuid.uuid4().hex
-        self._started = time.time()
+        self._started = clock()
         self._tag: str | None = None
         self._lost: str | None = None
         self._mutex = threading.Lock()
@@ -58,14 +73,13 @@ class Lease:
 
     def _content(self, generation: int, expires: float, released: bool = False) -> bytes:
         pid = os.getpid()
+        me = {"host": socket.gethostname(), "pid": pid, "pid_start": _proc_start(pid)}
         return json.dumps(
             {
                 "owner": self._owner,
-                "host": socket.gethostname(),
-                "pid": pid,
-                "pid_start": _proc_start(pid),
+                **(self._identity or me),
                 "started": self._started,
-                "renewed": time.time(),
+                "renewed": self._clock(),
                 "expires": expires,
                 "generation": generation,
                 "released": released,
@@ -82,7 +96,7 @@ class Lease:
                     self.generation = 1
                 else:
                     holder = _parse(current[0])
-                    if _is_live(holder):
+                    if _is_live(holder, self._clock()):
                         raise CheckpointLockedError(
                             f"checkpoint folder {self.store.url} is in use by {_describe(holder)}; "
                             "stop that job or use another folder (if it is dead, its lease "
@@ -103,11 +117,13 @@ class Lease:
         )
 
     def _expiry(self) -> float:
-        return time.time() + self.ttl_s
+        return self._clock() + self.ttl_s
 
     def _start_renewals(self) -> None:
         self._lost = None
         self._stop.clear()
+        if not self._background:
+            return
         self._thread = threading.Thread(
             target=self._renew_loop, daemon=True, name="forge-ckpt-lease"
         )
@@ -155,7 +171,7 @@ class Lease:
         with self._mutex:
             if self._tag is not None and self._lost is None:
                 try:
-                    data = self._content(self.generation, time.time(), released=True)
+                    data = self._content(self.generation, self._clock(), released=True)
                     self.store.replace(LEASE, data, self._tag)
                 except (PreconditionFailedError, OSError) as e:
                     log.warning("could not release the lease on %s: %s", self.store.url, e)
@@ -170,8 +186,8 @@ def _parse(data: bytes) -> dict[str, Any]:
         return {}  # unreadable: treated as expired
 
 
-def _is_live(holder: dict[str, Any]) -> bool:
-    if not holder or holder.get("released") or float(holder.get("expires", 0)) < time.time():
+def _is_live(holder: dict[str, Any], now: float) -> bool:
+    if not holder or holder.get("released") or float(holder.get("expires", 0)) < now:
         return False
     if holder.get("host") == socket.gethostname() and holder.get("pid_start") is not None:
         pid = int(holder["pid"])

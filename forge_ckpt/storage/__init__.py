@@ -34,6 +34,8 @@ __all__ = [
 
 _open: dict[StorageSpec, Storage] = {}  # recently used, bounded (one per step folder)
 _OPEN_MAX = 64
+# Further URL schemes ("name://" -> how to open one): forge_ckpt.sim adds its simulated stores.
+SCHEMES: dict[str, Any] = {}
 
 
 def normalize_url(url: str) -> str:
@@ -42,7 +44,7 @@ def normalize_url(url: str) -> str:
     import os
 
     if "://" in url and not url.startswith("file://"):
-        if not url.startswith(("s3://", "mem://")):
+        if not url.startswith(("s3://", "mem://", *SCHEMES)):
             raise ValueError(
                 f"{url!r}: supported folders are local paths, file://, s3:// and mem:// "
                 "(the memory tier's holders, see docs/tiers.md)"
@@ -62,10 +64,13 @@ def open_storage(where: str | StorageSpec, options: dict[str, Any] | None = None
     cached = _open.get(spec)
     if cached is not None:
         return cached
-    if spec.url.startswith("s3://"):
+    scheme = spec.url.split("://", 1)[0] + "://"
+    if scheme in SCHEMES:
+        store: Storage = SCHEMES[scheme](spec)
+    elif spec.url.startswith("s3://"):
         from .s3 import S3Storage
 
-        store: Storage = S3Storage(spec)
+        store = S3Storage(spec)
     elif spec.url.startswith("mem://"):
         from ..memory.store import MemoryStorage
 

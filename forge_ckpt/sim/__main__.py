@@ -1,0 +1,39 @@
+"""`python -m forge_ckpt.sim --seeds N` runs N schedules; `--seed S --trace` replays one."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+
+from .scenario import run_seed
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m forge_ckpt.sim", description=__doc__)
+    p.add_argument("--seeds", type=int, default=1000, help="how many schedules")
+    p.add_argument("--first", type=int, default=0, help="the first seed")
+    p.add_argument("--seed", type=int, help="replay this one seed")
+    p.add_argument("--trace", action="store_true", help="print the event trace")
+    args = p.parse_args(argv)
+    logging.getLogger("forge_ckpt").setLevel(logging.INFO if args.trace else logging.CRITICAL)
+    seeds = [args.seed] if args.seed is not None else range(args.first, args.first + args.seeds)
+    start, failed = time.perf_counter(), 0
+    for seed in seeds:
+        out = run_seed(seed)
+        if args.trace:
+            print("\n".join(out.trace))
+        if out.violation is not None:
+            failed += 1
+            print(f"seed {seed}: {out.violation}\n  replay: python -m forge_ckpt.sim --seed "
+                  f"{seed} --trace")  # fmt: skip
+            if failed >= 5:
+                break
+    n = len(seeds)
+    print(f"{n} schedules in {time.perf_counter() - start:.1f}s: {failed} violated an invariant")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

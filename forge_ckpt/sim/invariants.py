@@ -1,0 +1,149 @@
+"""The promises, checked against what storage really holds (read without faults or delays).
+
+- I1 no loss: a step reported committed stays until retention (keep_last newer committed
+  steps of its branch exist) or a rollback whose new branch committed removes it.
+- I2 load: `load()` returns the newest committed step that is legit (written under the
+  lease it held when it landed), not abandoned by a committed newer branch; never another.
+- I3 fencing: a step whose marker landed after its writer lost the lease is never listed by
+  the product's readers, never loaded, and was never reported committed.
+- I4 all or nothing: a load leaves every component at the loaded step, or every component as
+  it was (or its error names what was applied).
+- I5 folders: nothing outside the job's folder changes (a sibling folder that shares its
+  name's prefix keeps its objects and its unfinished upload).
+- I6 bounded: no call waits forever (the loop's deadlock detection) nor past its bound.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .. import branch, layout
+from ..errors import CheckpointCorruptError
+from ..storage import Storage
+
+Identity = tuple[int, float]  # a step and its manifest's creation time
+
+
+class Violation(AssertionError):
+    def __init__(self, invariant: str, detail: str) -> None:
+        super().__init__(f"{invariant}: {detail}")
+        self.invariant = invariant
+
+
+@dataclass
+class Oracle:
+    view: Storage  # the job's folder, read without gates
+    aside: Storage  # its replaced/ folder (branch.ASIDE), likewise
+    keep_last: int | None
+    seen: list[Identity] = field(default_factory=list)  # legit steps seen, in order
+    abandoned: set[Identity] = field(default_factory=set)
+    accepted: dict[int, set[Identity]] = field(default_factory=dict)  # lease gen -> at takeover
+    late: set[Identity] = field(default_factory=set)
+    branch_point: int | None = None  # the step of the last load(step=K)
+
+    # ---- reading the truth ------------------------------------------------------------------
+    def present(self) -> dict[Identity, int]:
+        """Every step with a valid marker: identity -> the generation that wrote it."""
+        return {i: m.generation for i, m in self.manifests().items()}
+
+    def manifests(self) -> dict[Identity, layout.Manifest]:
+        """Valid steps, including one a rollback set aside (it is put back if its
+        replacement fails: still there, as far as a loss goes)."""
+        out = {}
+        for store in (self.view, self.aside):
+            for s in layout.marked_steps(store):
+                try:
+                    m = layout.read_committed(store, s)
+                except CheckpointCorruptError:
+                    continue
+                out[(s, m.created)] = m
+        return out
+
+    def lease_generation(self) -> int:
+        got = self.view.read_tagged(layout.LEASE)
+        if got is None:
+            return 0
+        import json
+
+        try:
+            return int(json.loads(got[0]).get("generation", 0))
+        except ValueError:
+            return 0
+
+    # ---- events -----------------------------------------------------------------------------
+    def opened(self, generation: int) -> None:
+        """A job took the lease: what is committed now is what it accepts."""
+        self.refresh()
+        self.accepted[generation] = {i for i in self.present() if i not in self.late}
+
+    def refresh(self) -> None:
+        """Mark steps that landed under an older generation after a newer one took over."""
+        gen = self.lease_generation()
+        known = self.accepted.get(gen)
+        if known is None:
+            return
+        for ident, g in self.present().items():
+            if g < gen and ident not in known:
+                self.late.add(ident)
+
+    def observe(self) -> None:
+        """A marker landed: every legit committed step visible now is held to I1."""
+        self.refresh()
+        for ident, m in sorted(self.manifests().items(), key=lambda x: (x[0][1], x[0][0])):
+            if ident in self.late:
+                continue
+            if ident not in self.seen:
+                self.seen.append(ident)
+            for old in m.supersedes:  # a committed new branch abandons these
+                if self.branch_point is None or old[0] <= self.branch_point:
+                    raise Violation("I1 no loss", f"step {ident[0]} abandons {old[0]}, "
+                                    f"not newer than the rollback to {self.branch_point}")  # fmt: skip
+                self.abandoned.add(tuple(old))  # type: ignore[arg-type]
+
+    def committed(self, step: int, branch_from: int | None) -> Identity:
+        """A save reported its step committed: it must be there and legit (I1, I3)."""
+        self.refresh()
+        mine = [i for i in self.present() if i[0] == step]
+        if not mine:
+            raise Violation("I3 fencing", f"save({step}) reported committed, no valid marker")
+        ident = mine[0]
+        if ident in self.late:
+            raise Violation("I3 fencing", f"save({step}) reported committed, written late")
+        self.observe()
+        return ident
+
+    # ---- checks -----------------------------------------------------------------------------
+    def check_storage(self) -> None:
+        self.refresh()
+        present = self.present()
+        live = [i for i in self.seen if i not in self.abandoned]
+        for n, ident in enumerate(live):
+            if ident in present:
+                continue
+            newer = len(live) - n - 1
+            if self.keep_last is None or newer < self.keep_last:
+                raise Violation(
+                    "I1 no loss",
+                    f"committed step {ident[0]} is gone with only {newer} newer committed "
+                    f"step(s) (keep_last={self.keep_last})",
+                )
+        listed = set(layout.committed_steps(self.view))
+        for ident in self.late & set(present):
+            if ident[0] in listed:
+                raise Violation(
+                    "I3 fencing", f"step {ident[0]} landed after its writer lost the lease "
+                    "and readers list it",
+                )  # fmt: skip
+
+    def expected_load(self) -> int | None:
+        present = {i: g for i, g in self.present().items()
+                   if layout.is_committed(self.view, i[0])}  # fmt: skip
+        gone = branch.superseded(self.view)
+        ok = [i[0] for i in present if i not in self.late and i[0] not in gone]
+        return max(ok, default=None)
+
+    def check_load(self, got: int | None) -> None:
+        self.refresh()
+        want = self.expected_load()
+        if got != want:
+            raise Violation("I2 load", f"load() returned step {got}, the newest legit is {want}")

@@ -1,0 +1,147 @@
+"""Deterministic execution for the simulation: virtual time, and blocking code run in lockstep.
+
+The coordinator is asyncio code that hands blocking storage calls to threads. To run it
+unchanged and reproducibly, the simulation gives it
+
+- an event loop whose clock is virtual: when nothing is ready, the loop jumps to the next
+  timer instead of waiting (`asyncio.sleep`, `wait_for` and every timeout run at once, in
+  virtual seconds);
+- a `run_io` that runs the blocking function in a real thread, but one thread at a time:
+  each storage operation is a gate where the thread stops and hands control back; the
+  scheduler resumes it at the virtual time the operation completes. So other tasks, other
+  processes and other jobs interleave between any two storage operations, and every choice
+  (latency, fault, order) comes from one seeded random generator.
+
+Nothing here knows about checkpoints: `World` (world.py) decides what each gate does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import selectors
+import threading
+from collections.abc import Callable
+from typing import Any
+
+EPOCH = 1_800_000_000.0  # the virtual wall clock starts here (leases store wall-clock times)
+
+
+class Deadlock(RuntimeError):
+    """Every task waits and no timer is set: a call that can never return."""
+
+
+class Crash(BaseException):
+    """Raised inside a process that the simulation killed (like SIGKILL: no cleanup runs
+    storage operations, since every later gate of the dead process raises this again)."""
+
+
+class _Selector(selectors.BaseSelector):
+    """No real I/O: `select` advances the virtual clock by the loop's timeout."""
+
+    def __init__(self, clock: Clock) -> None:
+        self._clock = clock
+        self._map: dict[Any, selectors.SelectorKey] = {}
+
+    def register(self, fileobj: Any, events: int, data: Any = None) -> selectors.SelectorKey:
+        key = selectors.SelectorKey(fileobj, id(fileobj), events, data)
+        self._map[fileobj] = key
+        return key
+
+    def unregister(self, fileobj: Any) -> selectors.SelectorKey:
+        return self._map.pop(fileobj)
+
+    def select(self, timeout: float | None = None) -> list:
+        if timeout is None:
+            raise Deadlock("every task waits and no timer is set")
+        self._clock.now += max(timeout, 0.0)
+        return []
+
+    def close(self) -> None:
+        self._map.clear()
+
+    def get_map(self) -> Any:
+        return self._map
+
+
+class Clock:
+    """Virtual seconds since the start of the simulation."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def wall(self) -> float:
+        """The virtual `time.time()`."""
+        return EPOCH + self.now
+
+
+class SimLoop(asyncio.SelectorEventLoop):
+    def __init__(self, clock: Clock) -> None:
+        super().__init__(_Selector(clock))
+        self.clock = clock
+
+    def time(self) -> float:
+        return self.clock.now
+
+
+Gate = Callable[["SimThread", str], float]  # decides an operation's latency (and may raise)
+
+
+class SimThread:
+    """A blocking call run in its own thread, in lockstep with the event loop's thread."""
+
+    _local = threading.local()
+
+    def __init__(self, proc: Any, fn: Callable[..., Any], args: tuple, fut: asyncio.Future):
+        self.proc, self._fn, self._args, self._fut = proc, fn, args, fut
+        self._go = threading.Semaphore(0)
+        self._back = threading.Semaphore(0)
+        self._thread: threading.Thread | None = None
+        self.done = False
+        self._outcome: tuple[bool, Any] = (False, None)
+
+    @classmethod
+    def current(cls) -> SimThread | None:
+        return getattr(cls._local, "thread", None)
+
+    def step(self) -> None:
+        """Run the thread until its next gate or its end (called on the loop's thread)."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._main, daemon=True)
+            self._thread.start()
+        else:
+            self._go.release()
+        self._back.acquire()
+        if self.done and not self._fut.done():
+            ok, value = self._outcome
+            if ok:
+                self._fut.set_result(value)
+            else:
+                self._fut.set_exception(value)
+
+    def _main(self) -> None:
+        SimThread._local.thread = self
+        try:
+            self._outcome = (True, self._fn(*self._args))
+        except BaseException as e:  # handed to the awaiting task
+            self._outcome = (False, e)
+        self.done = True
+        self._back.release()
+
+    def pause(self, loop: asyncio.AbstractEventLoop, delay: float) -> None:
+        """Called by the thread itself at a gate: stop here until `delay` virtual seconds
+        from now (the operation's latency), letting everything else run meanwhile."""
+        loop.call_later(delay, self.step)
+        self._back.release()
+        self._go.acquire()
+
+
+PROC: contextvars.ContextVar[Any] = contextvars.ContextVar("forge_ckpt_sim_proc")
+
+
+async def run_io(fn: Callable[..., Any], *args: Any) -> Any:
+    """`asyncio.to_thread` for the simulation (see the module docstring), in the calling
+    task's simulated process."""
+    fut = asyncio.get_running_loop().create_future()
+    SimThread(PROC.get(None), fn, args, fut).step()
+    return await fut

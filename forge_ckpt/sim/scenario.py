@@ -1,0 +1,295 @@
+"""One seeded schedule: jobs that save, roll back, register and close at random moments,
+killed at random moments, with a successor taking over the folder, all on one world.
+
+Each job is what a user's main script does (open the coordinator, register its actors,
+`load()`, then a loop of train-and-save), driven by the real `CheckpointCoordinator`; the
+oracle (invariants.py) checks the promises after every call and at the end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import os
+import tempfile
+from dataclasses import dataclass
+
+from .. import layout
+from ..config import CheckpointConfig
+from ..coordinator import CheckpointCoordinator
+from ..errors import CheckpointError, CheckpointLockedError
+from ..runtime import Runtime
+from ..storage import Storage, open_storage
+from .actors import Component, SimActor
+from .invariants import Oracle, Violation
+from .loop import Crash, Deadlock, run_io
+from .world import PROC, Proc, World
+
+TTL = 30.0
+
+
+@dataclass
+class Outcome:
+    seed: int
+    violation: str | None
+    trace: list[str]
+    s3: bool
+
+
+class Job:
+    def __init__(self, world: World, oracle: Oracle, name: str, config: CheckpointConfig):
+        self.w, self.oracle, self.name, self.config = world, oracle, name, config
+        self.proc = Proc(name)
+        self.actors: list[SimActor] = []
+        self.coord: CheckpointCoordinator | None = None
+        self.branch_from: int | None = None
+        self.pending: int | None = None  # a background save not yet waited for
+
+    def runtime(self) -> Runtime:
+        return Runtime(to_thread=run_io, wall=self.w.clock.wall, lease_thread=False,
+                       identity=self.proc.identity())  # fmt: skip
+
+    async def open(self) -> CheckpointCoordinator:
+        while True:
+            try:
+                coord = CheckpointCoordinator(self.config, runtime=self.runtime())
+            except (CheckpointLockedError, OSError):
+                await asyncio.sleep(TTL / 2)  # virtual time: wait for the lease to expire
+                continue
+            except CheckpointError as e:
+                if "cannot open" not in str(e):
+                    raise
+                await asyncio.sleep(TTL / 2)
+                continue
+            self.oracle.opened(coord._lease.generation)
+            return coord
+
+    async def run(self, saves: int) -> None:
+        w, rng = self.w, self.w.rng
+        coord = self.coord = await self.open()
+        for i in range(2):
+            actor = SimActor(w, Proc(f"{self.name}.a{i}"), Component(f"c{i}"))
+            self.actors.append(actor)
+            coord.register(f"c{i}", actor)
+        step = await self.load(None)
+        for _ in range(saves):
+            await self.flush()
+            r = rng.random()
+            steps = self.steps()
+            if r < 0.1 and len(steps) >= 2:
+                step = await self.load(rng.choice(steps[:-1]), step)
+                continue
+            step += 1
+            for a in self.actors:
+                a.set_version.remote(step)  # training: runs after any earlier snapshot
+            await self.save(step)
+            if r > 0.93 and self.pending is not None:
+                w.log(f"{self.name} close() with a save in flight")
+                coord.close()
+                return
+            if 0.86 < r < 0.93 and self.pending is not None:
+                self.register_late()
+        await self.flush()
+        await coord.aclose()
+
+    def steps(self) -> list[int]:
+        assert self.coord is not None
+        try:
+            return self.coord.steps()
+        except OSError:
+            return []
+
+    async def flush(self) -> None:
+        """Wait for a background save and report its outcome."""
+        assert self.coord is not None
+        step, self.pending = self.pending, None
+        if step is None:
+            return
+        try:
+            res = await self.coord.wait(persisting=False)
+        except (CheckpointError, OSError) as e:
+            self.w.log(f"{self.name} save({step}) failed: {str(e).splitlines()[0]}")
+            return
+        if res is not None and res.committed:
+            self.reported(step)
+
+    def register_late(self) -> None:
+        """register() while a background save runs (it must not join that save)."""
+        assert self.coord is not None
+        actor = SimActor(self.w, Proc(f"{self.name}.late"), Component("late"))
+        self.actors.append(actor)
+        self.coord.register("late", actor, optional=True)
+
+    async def save(self, step: int) -> None:
+        assert self.coord is not None
+        try:
+            res = await self.coord.save(step)
+        except (CheckpointError, OSError) as e:
+            self.w.log(f"{self.name} save({step}) failed: {str(e).splitlines()[0]}")
+            return
+        if res.committed:
+            self.reported(step)
+        elif self.w.rng.random() < 0.5:
+            self.pending = step
+        else:
+            self.pending = step
+            await self.flush()
+
+    def reported(self, step: int) -> None:
+        self.w.log(f"{self.name} save({step}) committed")
+        self.oracle.committed(step, self.branch_from)
+        self.branch_from = None
+        self.oracle.check_storage()
+
+    async def load(self, step: int | None, current: int = 0) -> int:
+        assert self.coord is not None
+        before = [a.obj.version for a in self.actors]
+        try:
+            res = await self.coord.load(step)
+        except (CheckpointError, OSError) as e:
+            self.w.log(f"{self.name} load({step}) failed: {str(e).splitlines()[0]}")
+            after = [a.obj.version for a in self.actors]
+            if after != before and "applied" not in str(e):
+                raise Violation("I4 all or nothing", f"failed load changed {before}->{after}")
+            return current
+        got = None if res is None else res.step
+        self.w.log(f"{self.name} load({step}) -> {got}")
+        if step is None:
+            self.oracle.check_load(got)
+        if res is not None:
+            self._check_applied(res.step, res.manifest)
+            if step is not None:
+                self.branch_from = self.oracle.branch_point = res.step
+        return got or 0
+
+    def _check_applied(self, step: int, manifest: layout.Manifest) -> None:
+        for a in self.actors:
+            name = a.obj.name
+            if name in manifest.components and a.obj.version != step:
+                raise Violation("I4 all or nothing", f"{name} is at {a.obj.version}, load {step}")
+
+
+def make_config(world: World) -> CheckpointConfig:
+    rng = world.rng
+    return CheckpointConfig(
+        folder=world.folder,
+        keep_last=rng.choice([1, 2, 3, None]),
+        async_mode=rng.choice(["sync", "async", "deferred"]),
+        lease_ttl_s=TTL,
+        save_timeout_s=20.0,
+        load_timeout_s=20.0,
+        abort_timeout_s=5.0,
+    )
+
+
+def seed_sibling(world: World) -> dict:
+    """A folder next to the job's whose name extends it (exp10 next to exp1)."""
+    sib = open_storage(world.folder.replace("exp1", "exp10"))
+    world.faults, saved = type(world.faults)(), world.faults
+    sib.makedirs("step-1")
+    sib.write("step-1/COMMIT", b"sibling")
+    if world.s3:
+        world.bucket.new_upload("runs/exp10/step-10/actors/x.msgpack")
+    world.faults = saved
+    return snapshot_sibling(world)
+
+
+def snapshot_sibling(world: World) -> dict:
+    if world.s3:
+        return {
+            "objects": {k: v for k, v in world.bucket.objects.items() if "exp10" in k},
+            "uploads": {k: v[0] for k, v in world.bucket.uploads.items() if "exp10" in v[0]},
+        }
+    base = os.path.join(world.root, "bkt/runs/exp10")
+    return {"files": sorted(os.path.relpath(os.path.join(d, f), base)
+                            for d, _, fs in os.walk(base) for f in fs)}  # fmt: skip
+
+
+async def _scenario(world: World, oracle: Oracle, jobs: list[Job]) -> None:
+    rng = world.rng
+    for n, job in enumerate(jobs):
+        ctx = contextvars.copy_context()
+        ctx.run(PROC.set, job.proc)
+        task = world.loop.create_task(job.run(rng.randint(3, 9)), context=ctx)
+        job.proc.tasks.append(task)
+        if rng.random() < 0.5:  # kill the job (or one of its actors) at a random moment
+            victim = job.proc if rng.random() < 0.7 else None
+            world.loop.call_later(rng.uniform(0.0, 0.4), _kill_later, world, job, victim)
+        try:
+            await task
+        except (Crash, asyncio.CancelledError):
+            pass
+        world.kill(job.proc)
+        for a in job.actors:
+            world.kill(a.proc)
+        oracle.check_storage()
+        del n
+
+
+def _kill_later(world: World, job: Job, victim: Proc | None) -> None:
+    if victim is None and job.actors:
+        victim = world.rng.choice(job.actors).proc
+    if victim is not None:
+        world.kill(victim)
+
+
+def run_seed(seed: int) -> Outcome:
+    with tempfile.TemporaryDirectory(prefix="forge-sim-") as root:
+        world = World(seed, s3=seed % 2 == 1, root=root, ttl=TTL)
+        violation = None
+        try:
+            violation = _run(world)
+        finally:
+            world.loop.close()
+        return Outcome(seed, violation, world.trace, world.s3)
+
+
+def _run(world: World) -> str | None:
+    config = make_config(world)
+    world.log(f"config: {config.async_mode} keep_last={config.keep_last} faults={world.faults}")
+    oracle = Oracle(_ungated(world), _ungated(world, "/replaced"), config.keep_last)
+    world.observers.append(oracle.observe)
+    jobs = [Job(world, oracle, f"job{i}", config) for i in range(3)]
+    sibling = seed_sibling(world)
+    world.loop.set_exception_handler(lambda loop, ctx: None)
+    try:
+        world.loop.run_until_complete(_scenario(world, oracle, jobs))
+        if snapshot_sibling(world) != sibling:
+            raise Violation("I5 folders", "the sibling folder exp10 was changed")
+    except Violation as v:
+        world.log(f"VIOLATION {v}")
+        return str(v)
+    except Deadlock as e:
+        world.log(f"VIOLATION I6 bounded: {e}")
+        return f"I6 bounded: {e}"
+    finally:
+        _drain(world, jobs)
+    return None
+
+
+def _drain(world: World, jobs: list[Job]) -> None:
+    """Kill everything, then let the requests still in flight land or fail, so that no
+    thread is left waiting at a gate."""
+    for job in jobs:
+        world.kill(job.proc)
+        for a in job.actors:
+            world.kill(a.proc)
+    world.faults.delay = 0.0
+    try:
+        world.loop.run_until_complete(asyncio.sleep(10 * TTL))
+    except Deadlock:
+        pass
+
+
+def _ungated(world: World, sub: str = "") -> Storage:
+    """The job's folder as the oracle reads it: the same storage code, no faults, no delays."""
+    from ..storage import StorageSpec
+    from ..storage.local import LocalStorage
+    from ..storage.s3 import S3Storage
+    from .s3server import Client
+
+    if world.s3:
+        store = S3Storage(StorageSpec("s3://bkt/runs/exp1" + sub, {"max_concurrency": 1}))
+        store.client = Client(world.bucket, lambda op, key, mutates: "ok")
+        return store
+    return LocalStorage(StorageSpec(os.path.join(world.root, "bkt/runs/exp1" + sub)))

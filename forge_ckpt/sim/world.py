@@ -1,0 +1,188 @@
+"""One simulated world: processes, their storage, their actors, and the faults that hit them.
+
+Every storage operation of every process passes `World.gate`, which draws from the seeded
+generator how long it takes (sometimes longer than the lease TTL), whether it fails before it
+applies, whether it applies and its reply is lost (S3: the client's retry then sees its own
+write), and, for a process killed meanwhile, whether its request was already on the wire
+(it lands after the crash). Both stores are the product's own code: `LocalStorage` on a real
+temporary folder and `S3Storage` on the in-memory S3 server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import itertools
+import os
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..layout import MARKER
+from ..storage import SCHEMES, StorageSpec
+from ..storage.local import LocalStorage
+from ..storage.s3 import S3Storage
+from .loop import PROC, Clock, Crash, SimLoop, SimThread
+from .s3server import Bucket, Client
+
+_WORLDS: dict[str, World] = {}
+_ids = itertools.count()
+
+
+@dataclass
+class Faults:
+    """Per-operation probabilities, drawn per seed so that some schedules are fault-heavy."""
+
+    fail: float = 0.0  # fails before it applies (after the client's retries)
+    lost: float = 0.0  # applies, the reply is lost (S3 only; a retry follows)
+    delay: float = 0.0  # takes longer than the lease TTL
+    wire: float = 0.5  # a killed process's request still lands
+
+    @classmethod
+    def draw(cls, rng: random.Random, s3: bool) -> Faults:
+        heavy = rng.random() < 0.5
+        return cls(
+            fail=rng.uniform(0, 0.04 if heavy else 0.01),
+            lost=rng.uniform(0, 0.08 if heavy else 0.01) if s3 else 0.0,
+            delay=rng.uniform(0, 0.02) if rng.random() < 0.4 else 0.0,
+        )
+
+
+@dataclass
+class Proc:
+    """A simulated OS process (a job's driver or an actor), on its own simulated host."""
+
+    name: str
+    alive: bool = True
+    tasks: list[asyncio.Task] = field(default_factory=list)
+
+    def identity(self) -> dict[str, Any]:
+        return {"host": f"sim-{self.name}", "pid": 1, "pid_start": "1"}
+
+
+class World:
+    def __init__(self, seed: int, s3: bool, root: str, ttl: float) -> None:
+        self.id = f"w{next(_ids)}"
+        self.seed, self.s3, self.ttl = seed, s3, ttl
+        self.rng = random.Random(seed)
+        self.faults = Faults.draw(self.rng, s3)
+        self.clock = Clock()
+        self.loop = SimLoop(self.clock)
+        self.root = root
+        self.bucket = Bucket()
+        self.client = Client(self.bucket, self.gate)
+        self.trace: list[str] = []
+        self.observers: list[Callable[[], None]] = []
+        self.observe_next = False
+        self.threads: list[SimThread] = []
+        _WORLDS[self.id] = self
+
+    @property
+    def folder(self) -> str:
+        return f"{'sims3' if self.s3 else 'simfs'}://{self.id}/bkt/runs/exp1"
+
+    def log(self, line: str) -> None:
+        self.trace.append(f"{self.clock.now:9.4f} {line}")
+
+    def kill(self, proc: Proc) -> None:
+        if not proc.alive:
+            return
+        proc.alive = False
+        self.log(f"KILL {proc.name}")
+        for t in proc.tasks:
+            t.cancel()
+
+    # ---- the gate ---------------------------------------------------------------------------
+    def gate(self, op: str, path: str, mutates: bool) -> str:
+        """'ok', 'fail' (nothing applied), 'lost' (applied, reply lost) or 'after' (applied,
+        then the process is found dead). Raises Crash for a dead process's new request."""
+        if self.observe_next:  # a marker just landed: let the oracle look before anything else
+            self.observe_next = False
+            for obs in self.observers:
+                obs()
+        th = SimThread.current()
+        proc = th.proc if th is not None else PROC.get(None)
+        if proc is not None and not proc.alive:
+            raise Crash(proc.name)
+        f, r = self.faults, self.rng
+        delayed = r.random() < f.delay
+        latency = self.ttl * r.uniform(1.05, 2.0) if delayed else r.uniform(0.0005, 0.01)
+        if th is not None:
+            th.pause(self.loop, latency)
+        outcome = "ok"
+        if proc is not None and not proc.alive:
+            if not (mutates and r.random() < f.wire):
+                raise Crash(proc.name)
+            outcome = "after"
+        elif r.random() < f.fail:
+            outcome = "fail"
+        elif mutates and r.random() < f.lost:
+            outcome = "lost"
+        who = proc.name if proc is not None else "-"
+        self.log(f"{who:10} {op} {path} {outcome}{' (delayed)' if delayed else ''}")
+        if mutates and outcome != "fail" and path.endswith(MARKER):
+            self.observe_next = True
+        return outcome
+
+
+def _world_of(spec: StorageSpec) -> tuple[World, str]:
+    rest = spec.url.split("://", 1)[1]
+    wid, _, path = rest.partition("/")
+    return _WORLDS[wid], path
+
+
+class SimFS(LocalStorage):
+    """The real LocalStorage on a real folder; every operation passes the world's gate."""
+
+    def __init__(self, spec: StorageSpec) -> None:
+        self.world, path = _world_of(spec)
+        super().__init__(StorageSpec(os.path.join(self.world.root, path), dict(spec.options)))
+        self.spec = spec
+
+    def sub(self, prefix: str) -> SimFS:
+        return SimFS(self.spec.child(prefix))
+
+
+class SimS3(S3Storage):
+    """The real S3Storage on the world's in-memory S3 server."""
+
+    def __init__(self, spec: StorageSpec) -> None:
+        self.world, path = _world_of(spec)
+        super().__init__(StorageSpec(f"s3://{path}", {**spec.options, "max_concurrency": 1}))
+        self.client = self.world.client
+        self.spec = spec
+
+    def sub(self, prefix: str) -> SimS3:
+        return SimS3(self.spec.child(prefix))
+
+    def close(self) -> None:
+        return None
+
+
+def _gated(name: str, mutates: bool) -> Callable:
+    base = getattr(LocalStorage, name)
+
+    def method(self: SimFS, path: str = "", *args: Any, **kw: Any) -> Any:
+        outcome = self.world.gate(name, path, mutates)
+        if outcome == "fail":
+            raise OSError(errno.EIO, f"{path}: {name} failed (simulated)")
+        result = base(self, path, *args, **kw)
+        if outcome == "after":
+            raise Crash(name)
+        return result
+
+    method.__name__ = name
+    return method
+
+
+for _name, _mut in (
+    ("create", True), ("replace", True), ("publish", True), ("delete", True),
+    ("delete_prefix", True), ("move_prefix", True), ("makedirs", True), ("rename", True),
+    ("read_tagged", False), ("read", False), ("size", False), ("list", False),
+    ("walk", False), ("verify", False), ("sync_dir", False), ("writer", True),
+):  # fmt: skip
+    setattr(SimFS, _name, _gated(_name, _mut))
+
+SCHEMES["simfs://"] = SimFS
+SCHEMES["sims3://"] = SimS3
