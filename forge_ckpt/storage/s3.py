@@ -86,11 +86,10 @@ def _client(opts: dict[str, Any]) -> Any:
 
 
 def call_bound_s(opts: dict[str, Any]) -> float:
-    """The longest one S3 request can block, retries included: every try waits at most
-    `connect_timeout_s` to connect and `read_timeout_s` for each read or write on the
-    connection, and botocore's backoff between tries is capped (see _BACKOFF_MAX_S). A body
-    that keeps trickling in is not cut by the read timeout: the bound holds for requests with
-    small replies (the lease, manifests, markers, part uploads), not for a whole large GET."""
+    """The longest one S3 request with a small body and reply (the lease, a manifest, a
+    marker, a listing) can block, retries included: a try waits at most `connect_timeout_s`
+    to connect and `read_timeout_s` for each read or write on the connection, and botocore's
+    backoff between tries is capped. A large body is bounded per read or write, not in all."""
     tries = max(int(opts["max_attempts"]), 1)
     per_try = float(opts["connect_timeout_s"]) + float(opts["read_timeout_s"])
     backoff = sum(min(2.0**n, _BACKOFF_MAX_S) + _RETRY_AFTER_MAX_S for n in range(tries - 1))
