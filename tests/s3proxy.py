@@ -159,6 +159,7 @@ class FaultProxy:
         self.log: list[str] = []  # "METHOD target" of every request, in order
         self._rules: list[_Rule] = []
         self._lock = threading.Lock()
+        self._counted = threading.Condition(self._lock)  # notified when a counter moves
         self._failures: collections.deque[tuple[int, str, str]] = collections.deque()
         self._socks: set[socket.socket] = set()
         self._hanging: set[socket.socket] = set()
@@ -199,6 +200,13 @@ class FaultProxy:
             hanging = list(self._hanging)
         for sock in hanging:
             _shut(sock)
+
+    def wait_count(self, counter: str, n: int, timeout: float = 60.0) -> None:
+        """Wait until `counter` ("requests", "failed", "dropped", "hung") reaches `n`: the
+        proxy's threads may count a request after the client already gave up on it."""
+        with self._counted:
+            if not self._counted.wait_for(lambda: getattr(self, counter) >= n, timeout):
+                raise TimeoutError(f"s3proxy: {counter} is {getattr(self, counter)}, not {n}")
 
     def down(self) -> None:
         """Outage: returns once new connections are refused and open ones are dropped."""
@@ -322,6 +330,7 @@ class FaultProxy:
                 pass
             with self._lock:
                 self.dropped += 1
+                self._counted.notify_all()
         except (OSError, EOFError, ValueError):
             pass
         finally:
@@ -332,6 +341,7 @@ class FaultProxy:
         with self._lock:
             self.hung += 1
             self._hanging.add(client)
+            self._counted.notify_all()
         try:
             while client.recv(65536):
                 pass

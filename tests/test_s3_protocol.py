@@ -178,7 +178,8 @@ def test_a_black_hole_endpoint_raises_naming_the_timeout(proxied):
     with pytest.raises(StorageError) as e:
         slow.create("MARK", b"one")
     assert "read_timeout_s=0.5" in str(e.value) and "max_attempts=2" in str(e.value)
-    assert proxy.hung == 2  # every try was answered by silence, none by an error
+    proxy.wait_count("hung", 2)  # every try was answered by silence, none by an error
+    assert proxy.hung == 2
     proxy.clear()
 
 
