@@ -296,9 +296,10 @@ class S3Storage(Storage):
 
     def _uploads(self, prefix: str) -> builtins.list[dict[str, Any]]:
         """Every unfinished upload in the folder, across pages (KeyMarker / UploadIdMarker)."""
-        kw = {"Bucket": self.bucket, "Prefix": self.folder_key(prefix)}
         pages = self.client.get_paginator("list_multipart_uploads").paginate(
-            **kw, PaginationConfig={"PageSize": UPLOADS_PAGE}
+            Bucket=self.bucket,
+            Prefix=self.folder_key(prefix),
+            PaginationConfig={"PageSize": UPLOADS_PAGE},
         )
         try:
             return [u for page in pages for u in page.get("Uploads", [])]
@@ -457,22 +458,16 @@ def _wait_all(futures: list[Future]) -> list[Any]:
 
 def _translate(e: Exception, what: str, where: str, opts: dict[str, Any]) -> Exception:
     """A clear error naming the object and what to do; credentials never appear."""
-    from botocore.exceptions import (
-        ClientError,
-        ConnectTimeoutError,
-        EndpointConnectionError,
-        NoCredentialsError,
-        ReadTimeoutError,
-    )
+    from botocore import exceptions as bx
 
     endpoint = opts.get("endpoint_url")
     at = f" at {endpoint}" if endpoint else ""
-    if isinstance(e, ClientError):
+    if isinstance(e, bx.ClientError):
         return _translate_reply(e, what, where, at)
-    if isinstance(e, NoCredentialsError):
+    if isinstance(e, bx.NoCredentialsError):
         return StorageError(errno.EACCES, f"{where}: no S3 credentials found: set AWS_* or options")
-    if isinstance(e, (ReadTimeoutError, ConnectTimeoutError)):
-        name = "read_timeout_s" if isinstance(e, ReadTimeoutError) else "connect_timeout_s"
+    if isinstance(e, (bx.ReadTimeoutError, bx.ConnectTimeoutError)):
+        name = "read_timeout_s" if isinstance(e, bx.ReadTimeoutError) else "connect_timeout_s"
         return StorageError(
             errno.ETIMEDOUT,
             f"{where}: {what} timed out: the S3 endpoint{at} did not answer within {name}="
@@ -480,7 +475,7 @@ def _translate(e: Exception, what: str, where: str, opts: dict[str, Any]) -> Exc
             f"{call_bound_s(opts):.0f} s in all); check the endpoint, or raise storage_options "
             f"{name} for a slow one (and lease_ttl_s above the bound)",
         )
-    if isinstance(e, EndpointConnectionError) or "Connect" in type(e).__name__:
+    if isinstance(e, bx.EndpointConnectionError) or "Connect" in type(e).__name__:
         return StorageError(
             errno.EHOSTUNREACH, f"{where}: cannot reach the S3 endpoint{at} ({type(e).__name__})"
         )
