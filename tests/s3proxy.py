@@ -7,7 +7,7 @@ the response back until the server closes. Faults:
 
 - `fail_next(n, status, code)`: the next n requests get an S3 XML error instead, after their
   body was read and discarded (Content-Length or chunked; none when the client waits for
-  `100 Continue`, as S3 answers too);
+  `100 Continue`, as S3 answers too); `fail_matching` does the same for matching requests;
 - `down()` / `up()`: an outage; new connections are refused and open ones are dropped;
 - `drop_reply(pattern, method, n)`: the next n matching requests reach the server (they are
   applied) and their reply is thrown away: the client sees the connection closed, as when a
@@ -38,16 +38,19 @@ _HOP_HEADERS = {"connection", "keep-alive", "proxy-connection"}
 
 
 class _Rule:
-    """A fault for the requests that match: `action` ("drop_reply" or "hang") for the next
-    `left` of them (None: all)."""
+    """A fault for the requests that match: `action` ("fail", "drop_reply" or "hang") for the
+    next `left` of them (None: all); `failure` is the (status, code, message) of "fail"."""
 
-    def __init__(self, action: str, pattern: str, method: str | None, left: int | None) -> None:
-        self.action, self.pattern, self.method, self.left = (
-            action,
-            re.compile(pattern),
-            method,
-            left,
-        )
+    def __init__(
+        self,
+        action: str,
+        pattern: str,
+        method: str | None,
+        left: int | None,
+        failure: tuple[int, str, str] | None = None,
+    ) -> None:
+        self.action, self.pattern, self.method = action, re.compile(pattern), method
+        self.left, self.failure = left, failure
 
     def take(self, method: str, target: str) -> bool:
         if self.left == 0 or (self.method is not None and self.method != method):
@@ -182,6 +185,13 @@ class FaultProxy:
         with self._lock:
             self._failures.extend([(status, code, message)] * n)
 
+    def fail_matching(
+        self, pattern: str, method: str | None, n: int, status: int, code: str, message: str = ""
+    ) -> None:
+        """The next `n` requests matching `method` and `pattern` get `status` / `code`."""
+        with self._lock:
+            self._rules.append(_Rule("fail", pattern, method, n, (status, code, message or code)))
+
     def drop_reply(self, pattern: str, method: str | None = "PUT", n: int = 1) -> None:
         """The next `n` requests matching `method` and `pattern` are applied by the server and
         their reply is lost: the client sees the connection closed without an answer."""
@@ -300,12 +310,14 @@ class FaultProxy:
                 self.requests += 1
                 self.log.append(f"{method} {target}")
                 failure = self._failures.popleft() if self._failures else None
-                self.failed += failure is not None
                 rule = (
                     None
                     if failure
                     else next((r for r in self._rules if r.take(method, target)), None)
                 )
+                if rule is not None and rule.failure is not None:
+                    failure, rule = rule.failure, None
+                self.failed += failure is not None
             if failure is not None:
                 self._fail(
                     client, reader, request_line, dict((k.lower(), v) for k, v in headers), failure
