@@ -207,3 +207,24 @@ def test_quarantine_copies_large_objects_in_parts(s3_folder: S3Folder, monkeypat
     head = s3.head_object(Bucket=s3_folder.bucket, Key=store.key(f"{dest}/actors/big.bin"))
     assert head["ETag"].endswith('-3"')  # 5 + 5 + 2 MiB: copied in three parts
     assert uploads(s3, s3_folder.bucket) == set()
+
+
+def test_a_failed_quarantine_copy_leaves_the_step_whole_and_nothing_behind(
+    s3_folder: S3Folder, monkeypatch
+):
+    monkeypatch.setattr(s3mod, "MULTIPART_COPY_THRESHOLD", 6 * MiB, raising=False)
+    files = {"step-1/actors/big.bin": os.urandom(12 * MiB), "step-1/COMMIT": b"marker"}
+    files.update({f"step-1/actors/{i}.bin": os.urandom(1000) for i in range(8)})
+    writer = storage(s3_folder.url, s3_folder.options)
+    for name, data in files.items():
+        writer.write(name, data)
+    with FaultProxy(s3_folder.server.endpoint) as proxy:
+        options = {**s3_folder.options, "endpoint_url": proxy.endpoint, "part_size_mb": 5}
+        store = storage(s3_folder.url, options)
+        proxy.fail_matching(r"[?&]partNumber=2(&|$)", "PUT", 1, 400, "InvalidRequest")
+        with pytest.raises(StorageError, match=r"big\.bin: write failed"):
+            quarantine_step(store, 1)
+    for name, data in files.items():
+        assert writer.read(name) == data, name
+    assert writer.list("") == ["step-1"]  # no half copy in quarantine/
+    assert uploads(client(s3_folder.options), s3_folder.bucket) == set()

@@ -17,7 +17,7 @@ from __future__ import annotations
 import builtins
 import errno
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
 from ..errors import CheckpointCorruptError
@@ -318,8 +318,12 @@ class S3Storage(Storage):
         `first` before the others (see Storage.move_prefix)."""
         cut = len(src.strip("/")) + 1
         moves = [(p, join(dst, p[cut:]), size) for p, size in self.walk(src)]
-        self._copy_all([m for m in moves if m[0] != first])
-        self._copy_all([m for m in moves if m[0] == first])  # the copy is whole only then
+        try:
+            self._copy_all([m for m in moves if m[0] != first])
+            self._copy_all([m for m in moves if m[0] == first])  # the copy is whole only then
+        except BaseException:
+            _quietly(self.delete_prefix, dst)  # a half copy is not worth keeping; src is whole
+            raise
         if first is not None:
             self.delete(first)
         self.delete_prefix(src)
@@ -343,13 +347,12 @@ class S3Storage(Storage):
                 self._call("write", d, self.client.complete_multipart_upload, Key=self.key(d),
                            UploadId=upload_id, MultipartUpload=done)  # fmt: skip
         except BaseException:
-            for f in futures + [f for _, _, parts in uploads for f in parts]:
+            running = futures + [f for _, _, parts in uploads for f in parts]
+            for f in running:
                 f.cancel()
+            wait(running)  # none may land after the cleanup
             for d, upload_id, _ in uploads:
-                try:
-                    self._abort(d, self.key(d), upload_id)
-                except OSError:  # the copy's own error matters more; leftovers go at start
-                    pass
+                _quietly(self._abort, d, self.key(d), upload_id)
             raise
 
     def _copy_ranges(self, size: int) -> builtins.list[tuple[int, int]]:
@@ -365,6 +368,14 @@ class S3Storage(Storage):
                        UploadId=upload_id, PartNumber=number, CopySourceRange=f"bytes={a}-{b - 1}",
                        CopySource={"Bucket": self.bucket, "Key": self.key(src)})  # fmt: skip
         return {"PartNumber": number, "ETag": r["CopyPartResult"]["ETag"]}
+
+
+def _quietly(fn: Any, *args: Any) -> None:
+    """Clean up after a failure whose own error matters more (leftovers go at the next start)."""
+    try:
+        fn(*args)
+    except OSError:
+        pass
 
 
 def _ours_at_root(key: str) -> bool:
