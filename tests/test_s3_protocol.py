@@ -14,7 +14,6 @@ import pytest
 
 from forge_ckpt import CheckpointConfig, CheckpointCoordinator
 from forge_ckpt.commit import quarantine_step, remove_step
-from forge_ckpt.config import CheckpointConfig as _Config
 from forge_ckpt.lock import Lease
 from forge_ckpt.storage import AlreadyExistsError, StorageError, StorageSpec
 from forge_ckpt.storage import s3 as s3mod
@@ -167,7 +166,7 @@ def test_a_lease_renewal_whose_reply_was_lost_keeps_the_lease(proxied):
 
 def test_default_bound_of_one_request_is_under_the_default_lease_ttl():
     bound = s3mod.call_bound_s(s3mod.OPTIONS)
-    assert bound < _Config(folder="/unused").lease_ttl_s
+    assert bound < CheckpointConfig(folder="/unused").lease_ttl_s
 
 
 def test_a_black_hole_endpoint_raises_naming_the_timeout(proxied):
