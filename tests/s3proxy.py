@@ -7,14 +7,23 @@ the response back until the server closes. Faults:
 
 - `fail_next(n, status, code)`: the next n requests get an S3 XML error instead, after their
   body was read and discarded (Content-Length or chunked; none when the client waits for
-  `100 Continue`, as S3 answers too);
-- `down()` / `up()`: an outage; new connections are refused and open ones are dropped.
+  `100 Continue`, as S3 answers too); `fail_matching` does the same for matching requests;
+- `down()` / `up()`: an outage; new connections are refused and open ones are dropped;
+- `drop_reply(pattern, method, n)`: the next n matching requests reach the server (they are
+  applied) and their reply is thrown away: the client sees the connection closed, as when a
+  reply is lost on the network, and retries;
+- `hang(pattern, method)`: a black hole; matching requests are read and never answered until
+  the client gives up (or `clear()` / `close()`).
+
+Requests match on their method and a regular expression searched in the request target
+(`/bucket/key?query`). `log` lists every request as "METHOD target".
 """
 
 from __future__ import annotations
 
 import collections
 import http
+import re
 import socket
 import threading
 import time
@@ -26,6 +35,31 @@ from apps.seaweed import free_ports
 MAX_HEAD = 64 * 1024
 IO_TIMEOUT = 120.0
 _HOP_HEADERS = {"connection", "keep-alive", "proxy-connection"}
+
+
+class _Rule:
+    """A fault for the requests that match: `action` ("fail", "drop_reply" or "hang") for the
+    next `left` of them (None: all); `failure` is the (status, code, message) of "fail"."""
+
+    def __init__(
+        self,
+        action: str,
+        pattern: str,
+        method: str | None,
+        left: int | None,
+        failure: tuple[int, str, str] | None = None,
+    ) -> None:
+        self.action, self.pattern, self.method = action, re.compile(pattern), method
+        self.left, self.failure = left, failure
+
+    def take(self, method: str, target: str) -> bool:
+        if self.left == 0 or (self.method is not None and self.method != method):
+            return False
+        if not self.pattern.search(target):
+            return False
+        if self.left is not None:
+            self.left -= 1
+        return True
 
 
 class _Reader:
@@ -123,9 +157,15 @@ class FaultProxy:
         self.endpoint = f"http://127.0.0.1:{self.port}"
         self.requests = 0  # HTTP requests received, failed ones included
         self.failed = 0  # of which answered by fail_next
+        self.dropped = 0  # applied by the server, reply thrown away (drop_reply)
+        self.hung = 0  # never answered (hang)
+        self.log: list[str] = []  # "METHOD target" of every request, in order
+        self._rules: list[_Rule] = []
         self._lock = threading.Lock()
+        self._counted = threading.Condition(self._lock)  # notified when a counter moves
         self._failures: collections.deque[tuple[int, str, str]] = collections.deque()
         self._socks: set[socket.socket] = set()
+        self._hanging: set[socket.socket] = set()
         self._want_up, self._closing = True, False
         self._listener: socket.socket | None = self._bind()
         self._acked = threading.Event()
@@ -144,6 +184,39 @@ class FaultProxy:
         """The next `n` requests get `status` with an S3 error body of `code`."""
         with self._lock:
             self._failures.extend([(status, code, message)] * n)
+
+    def fail_matching(
+        self, pattern: str, method: str | None, n: int, status: int, code: str, message: str = ""
+    ) -> None:
+        """The next `n` requests matching `method` and `pattern` get `status` / `code`."""
+        with self._lock:
+            self._rules.append(_Rule("fail", pattern, method, n, (status, code, message or code)))
+
+    def drop_reply(self, pattern: str, method: str | None = "PUT", n: int = 1) -> None:
+        """The next `n` requests matching `method` and `pattern` are applied by the server and
+        their reply is lost: the client sees the connection closed without an answer."""
+        with self._lock:
+            self._rules.append(_Rule("drop_reply", pattern, method, n))
+
+    def hang(self, pattern: str = "", method: str | None = None) -> None:
+        """Black hole: matching requests are read and never answered, until `clear()`."""
+        with self._lock:
+            self._rules.append(_Rule("hang", pattern, method, None))
+
+    def clear(self) -> None:
+        """Forget every drop_reply / hang rule and end the requests hanging now."""
+        with self._lock:
+            self._rules.clear()
+            hanging = list(self._hanging)
+        for sock in hanging:
+            _shut(sock)
+
+    def wait_count(self, counter: str, n: int, timeout: float = 60.0) -> None:
+        """Wait until `counter` ("requests", "failed", "dropped", "hung") reaches `n`: the
+        proxy's threads may count a request after the client already gave up on it."""
+        with self._counted:
+            if not self._counted.wait_for(lambda: getattr(self, counter) >= n, timeout):
+                raise TimeoutError(f"s3proxy: {counter} is {getattr(self, counter)}, not {n}")
 
     def down(self) -> None:
         """Outage: returns once new connections are refused and open ones are dropped."""
@@ -232,14 +305,26 @@ class FaultProxy:
             client.settimeout(IO_TIMEOUT)
             reader = _Reader(client)
             request_line, headers = _parse(reader.head())
+            method, target = (request_line.split(" ") + ["", ""])[:2]
             with self._lock:
                 self.requests += 1
+                self.log.append(f"{method} {target}")
                 failure = self._failures.popleft() if self._failures else None
+                rule = (
+                    None
+                    if failure
+                    else next((r for r in self._rules if r.take(method, target)), None)
+                )
+                if rule is not None and rule.failure is not None:
+                    failure, rule = rule.failure, None
                 self.failed += failure is not None
             if failure is not None:
                 self._fail(
                     client, reader, request_line, dict((k.lower(), v) for k, v in headers), failure
                 )
+                return
+            if rule is not None and rule.action == "hang":
+                self._hang(client)
                 return
             upstream = socket.create_connection(self._upstream, timeout=10)
             upstream.settimeout(IO_TIMEOUT)
@@ -250,11 +335,31 @@ class FaultProxy:
             upstream.sendall(head + bytes(reader.buf))
             pump = threading.Thread(target=_pump, args=(client, upstream), daemon=True)
             pump.start()  # the body (and nothing after it: the response closes the connection)
-            _pump(upstream, client)
+            if rule is None:
+                _pump(upstream, client)
+                return
+            while upstream.recv(65536):  # the server applied it; its reply goes nowhere
+                pass
+            with self._lock:
+                self.dropped += 1
+                self._counted.notify_all()
         except (OSError, EOFError, ValueError):
             pass
         finally:
             self._finish(client, upstream, pump)
+
+    def _hang(self, client: socket.socket) -> None:
+        """Read and discard until the client gives up (or clear() / down() shut it)."""
+        with self._lock:
+            self.hung += 1
+            self._hanging.add(client)
+            self._counted.notify_all()
+        try:
+            while client.recv(65536):
+                pass
+        finally:
+            with self._lock:
+                self._hanging.discard(client)
 
     def _fail(
         self,

@@ -109,6 +109,23 @@ async def test_throttling_and_5xx_are_retried(ray_local, proxied):
     coord.close()
 
 
+async def test_a_commit_whose_reply_was_lost_is_committed(ray_local, proxied):
+    """The server applied the COMMIT PUT and its reply was lost; boto3's retry gets 412 on our
+    own marker: that is not another writer, and the step stays (and loads)."""
+    proxy, url, options = proxied
+    coord, samplers, stats = await build(cfg(url, options))
+    await run_steps(samplers, stats, 1)
+    want = [await s.get.remote() for s in samplers]
+    proxy.drop_reply(r"/step-1/COMMIT$")
+    assert (await coord.save(1)).committed
+    assert proxy.dropped == 1 and coord.steps() == [1]
+    await run_steps(samplers, stats, 1)
+    assert (await coord.load()).step == 1
+    got = [await s.get.remote() for s in samplers]
+    assert all(g["history"] == w["history"] for g, w in zip(got, want, strict=True))
+    coord.close()
+
+
 HOLDER = """
 import asyncio, sys
 from forge_ckpt import CheckpointConfig, CheckpointCoordinator

@@ -164,6 +164,38 @@ def test_outage(s3_folder: S3Folder, proxy: FaultProxy) -> None:
     assert s3.get_object(Bucket=s3_folder.bucket, Key="ckpt/x")["Body"].read() == b"1"
 
 
+def test_drop_reply_applies_the_request_and_loses_its_reply(
+    s3_folder: S3Folder, proxy: FaultProxy
+) -> None:
+    s3 = _via(s3_folder, proxy, attempts=1)
+    proxy.drop_reply(r"/ckpt/x$")
+    with pytest.raises(ConnectionClosedError):
+        s3.put_object(Bucket=s3_folder.bucket, Key="ckpt/x", Body=b"applied")
+    assert proxy.dropped == 1
+    assert s3.get_object(Bucket=s3_folder.bucket, Key="ckpt/x")["Body"].read() == b"applied"
+    s3.put_object(Bucket=s3_folder.bucket, Key="ckpt/x", Body=b"again")  # one reply only
+    assert proxy.log[-1] == f"PUT /{s3_folder.bucket}/ckpt/x" and proxy.dropped == 1
+
+
+def test_hang_answers_nothing_until_cleared(s3_folder: S3Folder, proxy: FaultProxy) -> None:
+    import boto3
+    from botocore.config import Config
+    from botocore.exceptions import ReadTimeoutError
+
+    config = Config(read_timeout=0.3, retries={"total_max_attempts": 1})
+    options = dict(s3_folder.options, endpoint_url=proxy.endpoint)
+    impatient = boto3.client("s3", config=config, **options)
+    proxy.hang(r"/ckpt/x$")
+    with pytest.raises(ReadTimeoutError):
+        impatient.put_object(Bucket=s3_folder.bucket, Key="ckpt/x", Body=b"1")
+    proxy.wait_count("hung", 1)
+    s3 = _via(s3_folder, proxy, attempts=1)
+    s3.put_object(Bucket=s3_folder.bucket, Key="ckpt/y", Body=b"1")  # others pass
+    proxy.clear()
+    s3.put_object(Bucket=s3_folder.bucket, Key="ckpt/x", Body=b"1")
+    assert list_keys(s3, s3_folder.bucket, "ckpt/") == ["ckpt/x", "ckpt/y"]
+
+
 def test_cli_runs_command_with_env(tmp_path) -> None:
     """`python -m apps.seaweed run -- CMD`: CMD sees the server through AWS_*; its code is ours."""
     import subprocess

@@ -228,6 +228,13 @@ class Storage(ABC):
     def url(self) -> str:
         return self.spec.url
 
+    @property
+    def call_bound_s(self) -> float | None:
+        """The longest one storage request can block, retries included, when the storage's
+        settings bound it (S3: timeouts x tries, docs/storage.md); None when nothing does
+        (a local disk blocks as long as the kernel does)."""
+        return None
+
     def where(self, path: str = "") -> str:
         """The full URL of `path`, for messages."""
         return join(self.url, path) if path else self.url

@@ -7,8 +7,9 @@ parallel ranged GETs. The CRC32C of every object is computed as its bytes pass.
 
 Endpoint, region and credentials come from boto3's usual chain (AWS_ENDPOINT_URL,
 AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_REGION, profiles) unless `storage_options` name
-them. Throttling, 5xx and dropped connections are retried with exponential backoff
-(botocore's "standard" mode, `max_attempts` tries).
+them. Throttling, 5xx, dropped connections and timeouts are retried with exponential backoff
+(botocore's "standard" mode, `max_attempts` tries in all); the timeouts and the tries bound how
+long one request can block (`call_bound_s`, docs/storage.md).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from __future__ import annotations
 import builtins
 import errno
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
 from ..errors import CheckpointCorruptError
@@ -42,11 +43,18 @@ OPTIONS = {
     "profile_name": None,
     "part_size_mb": 32,
     "max_concurrency": 8,
-    "max_attempts": 8,
-    "connect_timeout_s": 10.0,
-    "read_timeout_s": 120.0,
+    "max_attempts": 3,  # tries in all, the first one included
+    "connect_timeout_s": 5.0,
+    "read_timeout_s": 10.0,  # the longest wait for any one read or write on the connection
     "digest": None,  # not a client option: the cryptographic digest writers compute
 }
+# CopyObject copies at most 5 GiB (S3's rule); a larger object is copied in parts.
+MULTIPART_COPY_THRESHOLD = 5 * 1024**3
+_MAX_PARTS = 10_000  # S3's limit on the parts of one upload
+UPLOADS_PAGE = 1000  # uploads per ListMultipartUploads page (S3's maximum)
+# botocore's backoff before retry n (1-based) is at most min(2 ** (n - 1), 20) s, plus up to 5 s
+# more when the server sends x-amz-retry-after.
+_BACKOFF_MAX_S, _RETRY_AFTER_MAX_S = 20.0, 5.0
 _CLIENT_KEYS = ("endpoint_url", "region_name", "aws_access_key_id", "aws_secret_access_key")
 _NOT_CLIENT = ("digest",)
 _clients: dict[Any, Any] = {}
@@ -64,7 +72,7 @@ def _client(opts: dict[str, Any]) -> Any:
 
             session = boto3.session.Session(profile_name=opts["profile_name"])
             conf = Config(
-                retries={"max_attempts": int(opts["max_attempts"]), "mode": "standard"},
+                retries={"total_max_attempts": int(opts["max_attempts"]), "mode": "standard"},
                 max_pool_connections=max(32, 2 * int(opts["max_concurrency"])),
                 connect_timeout=float(opts["connect_timeout_s"]),
                 read_timeout=float(opts["read_timeout_s"]),
@@ -75,6 +83,17 @@ def _client(opts: dict[str, Any]) -> Any:
                 kwargs["aws_session_token"] = opts["aws_session_token"]
             _clients[key] = session.client("s3", config=conf, **kwargs)
         return _clients[key]
+
+
+def call_bound_s(opts: dict[str, Any]) -> float:
+    """The longest one S3 request with a small body and reply (the lease, a manifest, a
+    marker, a listing) can block, retries included: a try waits at most `connect_timeout_s`
+    to connect and `read_timeout_s` for each read or write on the connection, and botocore's
+    backoff between tries is capped. A large body is bounded per read or write, not in all."""
+    tries = max(int(opts["max_attempts"]), 1)
+    per_try = float(opts["connect_timeout_s"]) + float(opts["read_timeout_s"])
+    backoff = sum(min(2.0**n, _BACKOFF_MAX_S) + _RETRY_AFTER_MAX_S for n in range(tries - 1))
+    return tries * per_try + backoff
 
 
 def parse_url(url: str) -> tuple[str, str]:
@@ -109,8 +128,18 @@ class S3Storage(Storage):
     def sub(self, prefix: str) -> S3Storage:
         return S3Storage(self.spec.child(prefix))
 
+    @property
+    def call_bound_s(self) -> float:
+        return call_bound_s(self.opts)
+
     def key(self, path: str) -> str:
         return join(self.prefix, path) if self.prefix else path.strip("/")
+
+    def folder_key(self, prefix: str) -> str:
+        """The key prefix of everything inside the folder `prefix`: its key and a '/', so that
+        `step-1` never matches `step-10/...` nor `runs/exp1` `runs/exp10/...` ("" at the root)."""
+        k = self.key(prefix)
+        return f"{k}/" if k else ""
 
     def _call(self, what: str, path: str, fn: Any, **kw: Any) -> Any:
         """Run one S3 call; turn its failure into an error naming the object and the cause."""
@@ -118,7 +147,7 @@ class S3Storage(Storage):
         try:
             return fn(Bucket=self.bucket, **kw)
         except Exception as e:  # botocore raises many unrelated types
-            raise _translate(e, what, self.where(path), self.opts.get("endpoint_url")) from None
+            raise _translate(e, what, self.where(path), self.opts) from None
 
     # ---- writing ---------------------------------------------------------------------------
     def writer(self, path: str) -> S3Writer:
@@ -132,16 +161,34 @@ class S3Storage(Storage):
             r = self._call("write", path, self.client.put_object, Key=self.key(path), Body=data,
                            IfNoneMatch="*")  # fmt: skip
         except PreconditionFailedError:
-            raise AlreadyExistsError(
-                errno.EEXIST, f"{self.where(path)} already exists (written by another writer)"
-            ) from None
+            tag = self._applied(path, data)
+            if tag is None:
+                raise AlreadyExistsError(
+                    errno.EEXIST, f"{self.where(path)} already exists (written by another writer)"
+                ) from None
+            return tag
         return str(r["ETag"])
 
     def replace(self, path: str, data: bytes, tag: str) -> str:
-        r = self._call(
-            "write", path, self.client.put_object, Key=self.key(path), Body=data, IfMatch=tag
-        )
+        try:
+            r = self._call(
+                "write", path, self.client.put_object, Key=self.key(path), Body=data, IfMatch=tag
+            )
+        except PreconditionFailedError:
+            new = self._applied(path, data)
+            if new is None:
+                raise
+            return new
         return str(r["ETag"])
+
+    def _applied(self, path: str, data: bytes) -> str | None:
+        """After a 412: the tag of `path` if it holds exactly `data`, else None. The client
+        retries a PUT whose reply was lost; when the lost try had been applied, the retry's
+        condition fails on our own write. What create/replace write is unique per write (the
+        lease has its renewal time and owner, a manifest its creation time, a marker the
+        manifest's checksum), so the same bytes mean our write, not another writer's."""
+        got = self.read_tagged(path)
+        return got[1] if got is not None and got[0] == data else None
 
     def read_tagged(self, path: str) -> tuple[bytes, str] | None:
         try:
@@ -198,13 +245,13 @@ class S3Storage(Storage):
         return int(r["ContentLength"])
 
     def _pages(self, prefix: str, delimiter: str | None = None) -> Any:
-        kw = {"Bucket": self.bucket, "Prefix": self.key(prefix) + "/" if self.key(prefix) else ""}
+        kw = {"Bucket": self.bucket, "Prefix": self.folder_key(prefix)}
         if delimiter:
             kw["Delimiter"] = delimiter
         try:
             yield from self.client.get_paginator("list_objects_v2").paginate(**kw)
         except Exception as e:
-            raise _translate(e, "list", self.where(prefix), self.opts.get("endpoint_url")) from None
+            raise _translate(e, "list", self.where(prefix), self.opts) from None
 
     def list(self, prefix: str = "") -> builtins.list[str]:
         # Derived from the objects themselves, not from common prefixes: some S3-compatible
@@ -238,24 +285,105 @@ class S3Storage(Storage):
         self.abort_uploads(prefix)
 
     def abort_uploads(self, prefix: str = "") -> int:
-        """Abort multipart uploads left under `prefix` by crashed writers (they cost storage)."""
-        kw = {"Prefix": self.key(prefix)}
-        r = self._call("list", prefix, self.client.list_multipart_uploads, **kw)
-        uploads = r.get("Uploads", [])
-        for up in uploads:
-            self._call("write", prefix, self.client.abort_multipart_upload, Key=up["Key"],
-                       UploadId=up["UploadId"])  # fmt: skip
+        """Abort multipart uploads left inside the folder `prefix` by crashed writers (they
+        cost storage). At the bucket root the folder shares the bucket with whatever else is
+        in it: there, only uploads of forge_ckpt's own names (step folders, quarantine) go."""
+        uploads = self._uploads(prefix)
+        if not self.folder_key(prefix):
+            uploads = [u for u in uploads if _ours_at_root(u["Key"])]
+        _wait_all([self.pool.submit(self._abort, prefix, u["Key"], u["UploadId"]) for u in uploads])
         return len(uploads)
 
+    def _uploads(self, prefix: str) -> builtins.list[dict[str, Any]]:
+        """Every unfinished upload in the folder, across pages (KeyMarker / UploadIdMarker)."""
+        pages = self.client.get_paginator("list_multipart_uploads").paginate(
+            Bucket=self.bucket,
+            Prefix=self.folder_key(prefix),
+            PaginationConfig={"PageSize": UPLOADS_PAGE},
+        )
+        try:
+            return [u for page in pages for u in page.get("Uploads", [])]
+        except Exception as e:
+            raise _translate(e, "list uploads", self.where(prefix), self.opts) from None
+
+    def _abort(self, prefix: str, key: str, upload_id: str) -> None:
+        try:
+            self._call("write", prefix, self.client.abort_multipart_upload, Key=key,
+                       UploadId=upload_id)  # fmt: skip
+        except FileNotFoundError:  # NoSuchUpload: finished or aborted meanwhile
+            pass
+
     def move_prefix(self, src: str, dst: str, first: str | None = None) -> None:
-        objects = self.walk(src)
-        for p, _ in objects:
-            rel = p[len(src.strip("/")) + 1 :]
-            self._call("write", p, self.client.copy_object, Key=self.key(join(dst, rel)),
-                       CopySource={"Bucket": self.bucket, "Key": self.key(p)})  # fmt: skip
+        """Copy every object (in parallel, large ones in parts), `first` last, then delete
+        `first` before the others (see Storage.move_prefix)."""
+        cut = len(src.strip("/")) + 1
+        moves = [(p, join(dst, p[cut:]), size) for p, size in self.walk(src)]
+        try:
+            self._copy_all([m for m in moves if m[0] != first])
+            self._copy_all([m for m in moves if m[0] == first])  # the copy is whole only then
+        except BaseException:
+            _quietly(self.delete_prefix, dst)  # a half copy is not worth keeping; src is whole
+            raise
         if first is not None:
             self.delete(first)
         self.delete_prefix(src)
+
+    def _copy_all(self, moves: builtins.list[tuple[str, str, int]]) -> None:
+        """Server-side copies on the pool: one CopyObject per object up to
+        MULTIPART_COPY_THRESHOLD, UploadPartCopy parts above it (CopyObject stops at 5 GiB)."""
+        small = [(s, d) for s, d, n in moves if n <= MULTIPART_COPY_THRESHOLD]
+        futures = [self.pool.submit(self._copy, s, d) for s, d in small]
+        uploads: builtins.list[tuple[str, str, builtins.list[Future]]] = []
+        try:
+            for s, d, n in moves:
+                if n > MULTIPART_COPY_THRESHOLD:
+                    r = self._call("write", d, self.client.create_multipart_upload, Key=self.key(d))
+                    parts = [self.pool.submit(self._copy_part, s, d, r["UploadId"], i + 1, a, b)
+                             for i, (a, b) in enumerate(self._copy_ranges(n))]  # fmt: skip
+                    uploads.append((d, r["UploadId"], parts))
+            _wait_all(futures + [f for _, _, parts in uploads for f in parts])
+            for d, upload_id, parts in uploads:
+                done = {"Parts": [f.result() for f in parts]}
+                self._call("write", d, self.client.complete_multipart_upload, Key=self.key(d),
+                           UploadId=upload_id, MultipartUpload=done)  # fmt: skip
+        except BaseException:
+            running = futures + [f for _, _, parts in uploads for f in parts]
+            for f in running:
+                f.cancel()
+            wait(running)  # none may land after the cleanup
+            for d, upload_id, _ in uploads:
+                _quietly(self._abort, d, self.key(d), upload_id)
+            raise
+
+    def _copy_ranges(self, size: int) -> builtins.list[tuple[int, int]]:
+        part = max(self.part_size, -(-size // _MAX_PARTS))
+        return [(a, min(a + part, size)) for a in range(0, size, part)]
+
+    def _copy(self, src: str, dst: str) -> None:
+        self._call("write", dst, self.client.copy_object, Key=self.key(dst),
+                   CopySource={"Bucket": self.bucket, "Key": self.key(src)})  # fmt: skip
+
+    def _copy_part(self, src: str, dst: str, upload_id: str, number: int, a: int, b: int) -> dict:
+        r = self._call("write", dst, self.client.upload_part_copy, Key=self.key(dst),
+                       UploadId=upload_id, PartNumber=number, CopySourceRange=f"bytes={a}-{b - 1}",
+                       CopySource={"Bucket": self.bucket, "Key": self.key(src)})  # fmt: skip
+        return {"PartNumber": number, "ETag": r["CopyPartResult"]["ETag"]}
+
+
+def _quietly(fn: Any, *args: Any) -> None:
+    """Clean up after a failure whose own error matters more (leftovers go at the next start)."""
+    try:
+        fn(*args)
+    except OSError:
+        pass
+
+
+def _ours_at_root(key: str) -> bool:
+    """A key forge_ckpt writes in a folder at the bucket root: `step-N/...`, `quarantine/...`."""
+    from ..layout import QUARANTINE, parse_step  # the layout imports the storage package
+
+    top = key.split("/", 1)[0]
+    return parse_step(top) is not None or top == QUARANTINE
 
 
 class S3Writer(Writer):
@@ -339,35 +467,50 @@ def _wait_all(futures: list[Future]) -> list[Any]:
         raise
 
 
-def _translate(e: Exception, what: str, where: str, endpoint: str | None) -> Exception:
+def _translate(e: Exception, what: str, where: str, opts: dict[str, Any]) -> Exception:
     """A clear error naming the object and what to do; credentials never appear."""
-    from botocore.exceptions import ClientError, EndpointConnectionError, NoCredentialsError
+    from botocore import exceptions as bx
 
+    endpoint = opts.get("endpoint_url")
     at = f" at {endpoint}" if endpoint else ""
-    if isinstance(e, ClientError):
-        code = str(e.response.get("Error", {}).get("Code", ""))
-        status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-        if code in ("NoSuchKey", "404", "NotFound"):
-            return FileNotFoundError(errno.ENOENT, f"{where} does not exist")
-        if code in ("PreconditionFailed", "ConditionalRequestConflict") or status == 412:
-            return PreconditionFailedError(errno.ESTALE, f"{where}: {what} refused: {code}")
-        if code == "NoSuchBucket":
-            return StorageError(
-                errno.ENOENT, f"{where}: the bucket does not exist{at}; create it first"
-            )
-        if code in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "403"):
-            return StorageError(
-                errno.EACCES,
-                f"{where}: {what} refused ({code}){at}: check the credentials "
-                "(AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or storage_options) and permissions",
-            )
-        return StorageError(errno.EIO, f"{where}: {what} failed after retries: {code} ({status})")
-    if isinstance(e, NoCredentialsError):
+    if isinstance(e, bx.ClientError):
+        return _translate_reply(e, what, where, at)
+    if isinstance(e, bx.NoCredentialsError):
         return StorageError(errno.EACCES, f"{where}: no S3 credentials found: set AWS_* or options")
-    if isinstance(e, EndpointConnectionError) or "Connect" in type(e).__name__:
+    if isinstance(e, (bx.ReadTimeoutError, bx.ConnectTimeoutError)):
+        name = "read_timeout_s" if isinstance(e, bx.ReadTimeoutError) else "connect_timeout_s"
+        return StorageError(
+            errno.ETIMEDOUT,
+            f"{where}: {what} timed out: the S3 endpoint{at} did not answer within {name}="
+            f"{opts[name]} s, max_attempts={opts['max_attempts']} tries (at most "
+            f"{call_bound_s(opts):.0f} s in all); check the endpoint, or raise storage_options "
+            f"{name} for a slow one (and lease_ttl_s above the bound)",
+        )
+    if isinstance(e, bx.EndpointConnectionError) or "Connect" in type(e).__name__:
         return StorageError(
             errno.EHOSTUNREACH, f"{where}: cannot reach the S3 endpoint{at} ({type(e).__name__})"
         )
     if isinstance(e, (OSError, CheckpointCorruptError)):
         return e
     return StorageError(errno.EIO, f"{where}: {what} failed: {type(e).__name__}: {e}")
+
+
+def _translate_reply(e: Any, what: str, where: str, at: str) -> Exception:
+    """The error for a reply of the server (botocore's ClientError)."""
+    code = str(e.response.get("Error", {}).get("Code", ""))
+    status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    if code in ("NoSuchKey", "NoSuchUpload", "404", "NotFound"):
+        return FileNotFoundError(errno.ENOENT, f"{where} does not exist")
+    if code in ("PreconditionFailed", "ConditionalRequestConflict") or status == 412:
+        return PreconditionFailedError(errno.ESTALE, f"{where}: {what} refused: {code}")
+    if code == "NoSuchBucket":
+        return StorageError(
+            errno.ENOENT, f"{where}: the bucket does not exist{at}; create it first"
+        )
+    if code in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "403"):
+        return StorageError(
+            errno.EACCES,
+            f"{where}: {what} refused ({code}){at}: check the credentials "
+            "(AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or storage_options) and permissions",
+        )
+    return StorageError(errno.EIO, f"{where}: {what} failed after retries: {code} ({status})")
