@@ -10,7 +10,7 @@ $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
 	@# fuse3 (libfuse3 + fusermount3) for the power-loss tests; they skip where it is missing.
 	command -v fusermount3 >/dev/null || { [ "$$(id -u)" = 0 ] && { apt-get install -y -q fuse3 >/dev/null 2>&1 || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q fuse3 >/dev/null 2>&1; }; }; } || true
-	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[test,s3,app,bench]'
+	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[test,s3,app,bench,sim]'
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -19,6 +19,13 @@ from .errors import CheckpointCorruptError
 from .storage import Storage
 
 
+def live_steps(store: Storage) -> list[int]:
+    """Committed steps, less the abandoned ones not yet removed: what exists for a load,
+    for retention and for the next step's number."""
+    gone = superseded(store)
+    return [s for s in layout.committed_steps(store) if s not in gone]
+
+
 def superseded(store: Storage) -> set[int]:
     """Committed steps that a committed step of a newer branch has abandoned."""
     created: dict[int, float] = {}

@@ -121,9 +121,13 @@ class RetentionPolicy:
         return [s for s in committed if s not in keep]
 
 
-def apply_retention(store: Storage, policy: RetentionPolicy) -> list[int]:
-    """Delete committed steps the policy does not keep; returns the steps removed."""
-    removed = policy.to_delete(layout.committed_steps(store))
+def apply_retention(
+    store: Storage, policy: RetentionPolicy, committed: list[int] | None = None
+) -> list[int]:
+    """Delete committed steps the policy does not keep; returns the steps removed.
+    `committed`: the steps that count (default: every committed step)."""
+    steps = layout.committed_steps(store) if committed is None else committed
+    removed = policy.to_delete(steps)
     for step in removed:
         remove_step(store, step)
         log.info("retention: removed step %d", step)

@@ -210,12 +210,14 @@ class CheckpointCoordinator:
         stores = [store] if store is self.store else [store, self.store]
         newest = 0
         for s in stores:  # a memory save must not go behind a newer durable step either
-            committed = layout.committed_steps(s)
+            committed = branch.live_steps(s)
             if s is store and step in committed:
                 log.warning("step %d is already committed; nothing to save", step)
                 return None
             newest = max(newest, committed[-1] if committed else 0)
         self._newest_seen[store.url] = newest
+        if store is self.store and step in branch.superseded(store):
+            commit.remove_step(store, step)  # abandoned by a committed branch: free number
         if step < newest:
             raise CheckpointSaveError(
                 f"cannot save step {step}: step {newest} is newer in "
@@ -266,8 +268,12 @@ class CheckpointCoordinator:
             "committed step %d: %.1f MB in %.2fs", result.step, result.nbytes / 1e6, result.total_s
         )
         if abandons:  # the new branch is committed: the abandoned one goes now
-            await self._rt.to_thread(branch.retire_superseded, self.store)
             self._branch_from = None
+            try:
+                await self._rt.to_thread(branch.retire_superseded, self.store)
+            except OSError as e:  # loads skip them; the next start removes them
+                log.warning("could not yet remove the abandoned steps: %s", e)
+                return result
         if self.tier is not None and store is self.tier.store:  # maybe persisted, later
             persist = (self._commit, self._retention)
             await self.tier.committed(manifest, self.store, persist, durable)
@@ -276,10 +282,15 @@ class CheckpointCoordinator:
         return result
 
     async def _retention(self) -> None:
-        policy = self.config.retention
-        removed = await self._rt.to_thread(commit.apply_retention, self.store, policy)
+        removed = await self._rt.to_thread(self._apply_retention)
         if removed:
             log.info("retention removed steps %s", removed)
+
+    def _apply_retention(self) -> list[int]:
+        """Retention counts live steps only: an abandoned step not yet removed (its removal
+        failed) must not push a step of the new branch out."""
+        live = branch.live_steps(self.store)
+        return commit.apply_retention(self.store, self.config.retention, live)
 
     def _commit(self, manifest: layout.Manifest, store: Storage | None = None) -> None:
         """Commit under the lease; a close() meanwhile releases the lease once this ends."""
@@ -402,8 +413,9 @@ class CheckpointCoordinator:
     # ---- load ---------------------------------------------------------------------------
 
     def steps(self) -> list[int]:
-        """Committed steps, ascending (the last one is the newest)."""
-        return layout.committed_steps(self.store)
+        """Committed steps, ascending (the last one is the newest); steps of an abandoned
+        branch whose removal is still pending are not listed."""
+        return branch.live_steps(self.store)
 
     def _newest(self) -> int | None | OSError:
         """The newest committed step for error messages (the error if it cannot be listed)."""

@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .. import branch, layout
@@ -40,6 +41,9 @@ class Oracle:
     accepted: dict[int, set[Identity]] = field(default_factory=dict)  # lease gen -> at takeover
     late: set[Identity] = field(default_factory=set)
     branch_point: int | None = None  # the step of the last load(step=K)
+    retired: set[Identity] = field(default_factory=set)  # removed with a reason, when seen
+    epoch: Callable[[], int] = lambda: -1  # changes whenever storage may have changed
+    _cache: tuple[int, dict[Identity, layout.Manifest]] | None = None
 
     # ---- reading the truth ------------------------------------------------------------------
     def present(self) -> dict[Identity, int]:
@@ -49,6 +53,9 @@ class Oracle:
     def manifests(self) -> dict[Identity, layout.Manifest]:
         """Valid steps, including one a rollback set aside (it is put back if its
         replacement fails: still there, as far as a loss goes)."""
+        epoch = self.epoch()
+        if self._cache is not None and self._cache[0] == epoch:
+            return self._cache[1]
         out = {}
         for store in (self.view, self.aside):
             for s in layout.marked_steps(store):
@@ -57,6 +64,7 @@ class Oracle:
                 except CheckpointCorruptError:
                     continue
                 out[(s, m.created)] = m
+        self._cache = (epoch, out)
         return out
 
     def lease_generation(self) -> int:
@@ -92,13 +100,15 @@ class Oracle:
         for ident, m in sorted(self.manifests().items(), key=lambda x: (x[0][1], x[0][0])):
             if ident in self.late:
                 continue
-            if ident not in self.seen:
-                self.seen.append(ident)
+            if ident in self.seen:
+                continue
+            self.seen.append(ident)
             for old in m.supersedes:  # a committed new branch abandons these
                 if self.branch_point is None or old[0] <= self.branch_point:
                     raise Violation("I1 no loss", f"step {ident[0]} abandons {old[0]}, "
                                     f"not newer than the rollback to {self.branch_point}")  # fmt: skip
                 self.abandoned.add(tuple(old))  # type: ignore[arg-type]
+        self.check_storage()
 
     def committed(self, step: int, branch_from: int | None) -> Identity:
         """A save reported its step committed: it must be there and legit (I1, I3)."""
@@ -114,11 +124,12 @@ class Oracle:
 
     # ---- checks -----------------------------------------------------------------------------
     def check_storage(self) -> None:
+        """I1 and I3 on what storage holds now (run at every marker created or removed)."""
         self.refresh()
         present = self.present()
         live = [i for i in self.seen if i not in self.abandoned]
         for n, ident in enumerate(live):
-            if ident in present:
+            if ident in present or ident in self.retired:
                 continue
             newer = len(live) - n - 1
             if self.keep_last is None or newer < self.keep_last:
@@ -127,6 +138,7 @@ class Oracle:
                     f"committed step {ident[0]} is gone with only {newer} newer committed "
                     f"step(s) (keep_last={self.keep_last})",
                 )
+            self.retired.add(ident)  # judged when it went: later branches change nothing
         listed = set(layout.committed_steps(self.view))
         for ident in self.late & set(present):
             if ident[0] in listed:

@@ -6,9 +6,9 @@ unchanged and reproducibly, the simulation gives it
 - an event loop whose clock is virtual: when nothing is ready, the loop jumps to the next
   timer instead of waiting (`asyncio.sleep`, `wait_for` and every timeout run at once, in
   virtual seconds);
-- a `run_io` that runs the blocking function in a real thread, but one thread at a time:
-  each storage operation is a gate where the thread stops and hands control back; the
-  scheduler resumes it at the virtual time the operation completes. So other tasks, other
+- a `run_io` that runs the blocking function as a greenlet, one at a time: each storage
+  operation is a gate where it stops and hands control back; the loop resumes it at the
+  virtual time the operation completes. So other tasks, other
   processes and other jobs interleave between any two storage operations, and every choice
   (latency, fault, order) comes from one seeded random generator.
 
@@ -20,9 +20,10 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import selectors
-import threading
 from collections.abc import Callable
 from typing import Any
+
+import greenlet
 
 EPOCH = 1_800_000_000.0  # the virtual wall clock starts here (leases store wall-clock times)
 
@@ -88,52 +89,49 @@ Gate = Callable[["SimThread", str], float]  # decides an operation's latency (an
 
 
 class SimThread:
-    """A blocking call run in its own thread, in lockstep with the event loop's thread."""
+    """A blocking call run as a greenlet of the loop's thread: it runs until its next gate
+    (or its end) each time the loop steps it, so only one piece of code ever runs at once."""
 
-    _local = threading.local()
+    _by_greenlet: dict[Any, SimThread] = {}
 
     def __init__(self, proc: Any, fn: Callable[..., Any], args: tuple, fut: asyncio.Future):
-        self.proc, self._fn, self._args, self._fut = proc, fn, args, fut
-        self._go = threading.Semaphore(0)
-        self._back = threading.Semaphore(0)
-        self._thread: threading.Thread | None = None
+        self.proc, self._fut = proc, fut
+        self._g = greenlet.greenlet(lambda: fn(*args))
         self.done = False
-        self._outcome: tuple[bool, Any] = (False, None)
 
     @classmethod
     def current(cls) -> SimThread | None:
-        return getattr(cls._local, "thread", None)
+        return cls._by_greenlet.get(greenlet.getcurrent())
 
     def step(self) -> None:
-        """Run the thread until its next gate or its end (called on the loop's thread)."""
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._main, daemon=True)
-            self._thread.start()
-        else:
-            self._go.release()
-        self._back.acquire()
-        if self.done and not self._fut.done():
-            ok, value = self._outcome
-            if ok:
-                self._fut.set_result(value)
-            else:
-                self._fut.set_exception(value)
-
-    def _main(self) -> None:
-        SimThread._local.thread = self
+        """Run until the next gate or the end (called from the loop's greenlet)."""
+        self._g.parent = greenlet.getcurrent()
+        SimThread._by_greenlet[self._g] = self
         try:
-            self._outcome = (True, self._fn(*self._args))
+            result = self._g.switch()
         except BaseException as e:  # handed to the awaiting task
-            self._outcome = (False, e)
+            self._finish(False, e)
+            return
+        if self._g.dead:
+            self._finish(True, result)
+
+    def _finish(self, ok: bool, value: Any) -> None:
         self.done = True
-        self._back.release()
+        SimThread._by_greenlet.pop(self._g, None)
+        if self._fut.done():
+            return
+        if ok:
+            self._fut.set_result(value)
+        else:
+            self._fut.set_exception(value)
 
     def pause(self, loop: asyncio.AbstractEventLoop, delay: float) -> None:
-        """Called by the thread itself at a gate: stop here until `delay` virtual seconds
+        """Called by the worker itself at a gate: stop here until `delay` virtual seconds
         from now (the operation's latency), letting everything else run meanwhile."""
         loop.call_later(delay, self.step)
-        self._back.release()
-        self._go.acquire()
+        parent = self._g.parent
+        assert parent is not None
+        parent.switch()
 
 
 PROC: contextvars.ContextVar[Any] = contextvars.ContextVar("forge_ckpt_sim_proc")

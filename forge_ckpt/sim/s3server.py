@@ -137,8 +137,7 @@ class Client:
         return out
 
     def get_paginator(self, name: str) -> Paginator:
-        assert name == "list_objects_v2", name
-        return Paginator(self)
+        return Paginator(self, name)
 
     def delete_object(self, Bucket: str, Key: str) -> dict:  # noqa: N803
         outcome = self._pass("delete_object", Key, True)
@@ -230,15 +229,23 @@ class Client:
 
 
 class Paginator:
-    def __init__(self, client: Client) -> None:
-        self._c = client
+    """botocore's paginators for the two listings S3Storage pages through."""
+
+    def __init__(self, client: Client, name: str) -> None:
+        self._call = getattr(client, name)
+        self._tokens = {
+            "list_objects_v2": {"NextContinuationToken": "ContinuationToken"},
+            "list_multipart_uploads": {
+                "NextKeyMarker": "KeyMarker",
+                "NextUploadIdMarker": "UploadIdMarker",
+            },
+        }[name]
 
     def paginate(self, **kw: Any) -> Iterator[dict]:
-        token = None
+        kw.pop("PaginationConfig", None)
         while True:
-            args = {**kw, **({"ContinuationToken": token} if token else {})}
-            page = self._c.list_objects_v2(**args)
+            page = self._call(**kw)
             yield page
             if not page.get("IsTruncated"):
                 return
-            token = page["NextContinuationToken"]
+            kw.update({arg: page[out] for out, arg in self._tokens.items()})

@@ -75,6 +75,7 @@ class World:
         self.trace: list[str] = []
         self.observers: list[Callable[[], None]] = []
         self.observe_next = False
+        self.epoch = 0
         self.threads: list[SimThread] = []
         _WORLDS[self.id] = self
 
@@ -121,6 +122,8 @@ class World:
             outcome = "lost"
         who = proc.name if proc is not None else "-"
         self.log(f"{who:10} {op} {path} {outcome}{' (delayed)' if delayed else ''}")
+        if mutates and outcome != "fail":
+            self.epoch += 1  # what storage holds may have changed
         if mutates and outcome != "fail" and path.endswith(MARKER):
             self.observe_next = True
         return outcome
