@@ -174,9 +174,15 @@ class MemoryTier:
         try:
             await self.persist(manifest, durable, self.config.storage, commit_fn)
             await retention()
-        except Exception as e:
+        except Exception as error:
+            e = error
             if not isinstance(e, CheckpointError):
-                e = CheckpointError(f"persisting memory step {step}: {type(e).__name__}: {e}")
+                e = CheckpointError(
+                    f"persisting memory step {step}: {type(error).__name__}: {error}. The step "
+                    "is not durable (it may still be in memory); the next durable save "
+                    "persists a newer one"
+                )
+                e.__cause__ = error
             self._failures.append((step, e))
             log.error("persisting memory step %d to the durable folder failed: %s (the next "
                       "wait() or aclose() raises it; load() logs it and loads the newest "
