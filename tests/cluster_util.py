@@ -54,7 +54,8 @@ class Nodes:
         return str(self.cluster.address)
 
     def add(self, name: str) -> None:
-        """Start worker `name` (again): a new raylet with the same resource and scratch."""
+        """Start worker `name` (again): a new raylet with the same resource and scratch;
+        returns once Ray lists it alive."""
         scratch = os.path.join(self.scratch, name)
         os.makedirs(scratch, exist_ok=True)
         self.workers[name] = self.cluster.add_node(
@@ -63,17 +64,80 @@ class Nodes:
             object_store_memory=80 * 1024**2,
             env_vars={**self.env, "NODE_SCRATCH": scratch},
         )
+        wait_node(self.workers[name].node_id, alive=True)
 
     def remove(self, name: str) -> None:
-        """Kill node `name`'s raylet and every worker process on it."""
-        self.cluster.remove_node(self.workers.pop(name))
+        """Kill node `name`'s raylet and every worker process on it; returns once Ray lists
+        it dead (so its actors' calls fail instead of waiting for a health check)."""
+        node = self.workers.pop(name)
+        self.cluster.remove_node(node)
+        wait_node(node.node_id, alive=False)
 
     def restore(self) -> None:
-        """Bring back every worker removed by a test, so the next one finds three nodes."""
+        """Bring back every worker removed by a test, so the next one finds three nodes. It
+        waits by node id: the cluster's own wait counts live nodes, and a removed node not
+        yet seen dead plus a new one not yet registered is the same count."""
         for name in WORKERS:
             if name not in self.workers:
                 self.add(name)
         self.cluster.wait_for_nodes()
+
+
+def wait_node(node_id: str, alive: bool, timeout: float = 60.0) -> None:
+    """Until Ray's node table lists `node_id` alive (or not alive: dead or gone)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if ray.is_initialized():
+            states = {n["NodeID"]: n["Alive"] for n in ray.nodes()}
+            if states.get(node_id, False) == alive:
+                return
+        else:  # not connected yet (the module's cluster is being started)
+            return
+        time.sleep(0.05)
+    raise TimeoutError(f"node {node_id[:8]} is not {'alive' if alive else 'dead'} after {timeout}s")
+
+
+def memory_config(folder: str, options: dict, **kw: Any) -> CheckpointConfig:
+    """The memory tests' config: every save to memory, 2 copies, bounded waits."""
+    kw = {"memory_every": 1, "durable_every": 2, "memory_copies": 2, **kw}
+    cfg = CheckpointConfig(folder=folder, storage_options=options, **kw)
+    cfg.save_timeout_s = cfg.load_timeout_s = cfg.abort_timeout_s = 60
+    return cfg
+
+
+def hold_persist(holder: Any, gate: str, step: int) -> None:
+    """Make a memory holder actor hold every persist of `step` until the file `gate`/open
+    exists (it raises OSError instead if `gate`/fail exists). On reaching the hold it writes
+    its node id to `gate`/entered.<node id>. A condition the test controls: a held persist
+    never ends by itself. (All nodes of the test cluster share this machine's disk.)"""
+
+    def install(h: Any) -> None:
+        real = type(h).open_durable.__get__(h)
+
+        def gated(spec: Any) -> Any:
+            if spec.url.endswith(f"/step-{step}"):
+                with open(os.path.join(gate, f"entered.{h.node_id}"), "w") as f:
+                    f.write(h.node_id)
+                while not os.path.exists(os.path.join(gate, "open")):
+                    if os.path.exists(os.path.join(gate, "fail")):
+                        raise OSError(f"persist of step {step} failed (the test's gate)")
+                    time.sleep(0.01)
+            return real(spec)
+
+        h.open_durable = gated
+
+    ray.get(holder.__ray_call__.remote(install), timeout=60)
+
+
+def entered(gate: str, timeout: float = 120.0) -> list[str]:
+    """The node ids of the holders held at `gate` (waits for the first)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = [f.split(".", 1)[1] for f in os.listdir(gate) if f.startswith("entered.")]
+        if found:
+            return found
+        time.sleep(0.02)
+    raise TimeoutError(f"no persist reached the gate {gate} in {timeout}s")
 
 
 def start_cluster(scratch: str, env: dict[str, str]) -> Nodes:

@@ -7,7 +7,8 @@ from the holders' copies to the S3 folder.
   newest durable step and says why;
 - the driver is SIGKILLed: a new driver process finds the holders and resumes from memory;
 - a file over a holder's budget fails the save clearly, nothing committed; holders of another
-  run (fingerprint) are retired.
+  run (fingerprint, or an earlier incarnation of a deleted folder) are retired;
+- close() / release_holders free the holders' memory (persisting: test_memory_persist.py).
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ import signal
 import subprocess
 import sys
 import time
-from typing import Any
 
 import pytest
 import ray
@@ -45,11 +45,7 @@ HERE = os.path.abspath(__file__)
 nodes = pytest.fixture(scope="module", name="nodes")(cu.driving_cluster)
 
 
-def config(folder: str, options: dict, **kw: Any) -> CheckpointConfig:
-    kw = {"memory_every": 1, "durable_every": 2, "memory_copies": 2, **kw}
-    cfg = CheckpointConfig(folder=folder, storage_options=options, **kw)
-    cfg.save_timeout_s = cfg.load_timeout_s = cfg.abort_timeout_s = 60
-    return cfg
+config = cu.memory_config
 
 
 async def snapshot(ranks: list, actors: list) -> dict:
@@ -77,6 +73,12 @@ def copies(coord: CheckpointCoordinator, nodes: cu.Nodes, step: int) -> dict[str
     has = coord.tier.store.on_all("has", keys)
     return {k.split("/", 1)[1]: {names[ref[1]] for ref, flags in has if flags[i]}
             for i, k in enumerate(keys)}  # fmt: skip
+
+
+def abandon(coord: CheckpointCoordinator) -> None:
+    """A driver that died without close(): its lease is free (as after its TTL), its holders
+    and their steps stay."""
+    coord._lease.release()
 
 
 async def test_node_loss_memory_then_durable(nodes, s3_folder, caplog):
@@ -170,6 +172,54 @@ async def test_memory_retention_across_a_rollback(nodes, s3_folder):
         assert (await actor.state_dict.remote())["history"][:3] == at_3
     finally:
         coord.close()
+
+
+async def test_a_deleted_folder_is_a_new_run(nodes, s3_folder, caplog):
+    """fingerprint=None: a run on a folder that was deleted does not see the memory steps of
+    the run before (a driver that died without close()): its holders are retired."""
+    coord = CheckpointCoordinator(config(s3_folder.url, s3_folder.options, durable_every=100))
+    actor = cu.Buffer.options(**cu.on("node_a")).remote(0)
+    coord.register("dataset", actor)
+    await coord.save(1)
+    abandon(coord)
+    again = CheckpointCoordinator(config(s3_folder.url, s3_folder.options, durable_every=100))
+    assert again.tier is not None and again.tier.steps() == [1]  # the same run: found
+    abandon(again)
+    open_storage(s3_folder.url, s3_folder.options).delete_prefix("")  # the folder is deleted
+    with caplog.at_level(logging.WARNING, logger="forge_ckpt"):
+        fresh = CheckpointCoordinator(config(s3_folder.url, s3_folder.options))
+    try:
+        assert caplog.text.count("retiring memory holder") == 3
+        assert fresh.tier is not None and fresh.tier.steps() == []
+        fresh.register("dataset", actor)
+        assert await fresh.load() is None
+    finally:
+        fresh.close()
+
+
+async def test_closed_or_released_holders_free_their_memory(nodes, s3_folder):
+    """tier.close() (what the coordinator's close() calls) kills the run's holders; after a
+    driver died without closing, release_holders(folder) frees them."""
+    from forge_ckpt.memory import release_holders
+
+    coord = CheckpointCoordinator(config(s3_folder.url, s3_folder.options, durable_every=100))
+    actor = cu.Buffer.options(**cu.on("node_a")).remote(0)
+    coord.register("dataset", actor)
+    await coord.save(1)
+    names = [n for n, _ in coord.tier.holders]
+    abandon(coord)
+    assert sorted(await asyncio.to_thread(release_holders, s3_folder.url)) == sorted(names)
+    for n in names:
+        with pytest.raises(ValueError):
+            ray.get_actor(n, namespace="forge_ckpt")
+
+    coord = CheckpointCoordinator(config(s3_folder.url, s3_folder.options, durable_every=100))
+    assert coord.tier is not None and coord.tier.steps() == []  # new holders, nothing held
+    coord.tier.close()
+    for n in names:
+        with pytest.raises(ValueError):
+            ray.get_actor(n, namespace="forge_ckpt")
+    coord.close()
 
 
 def test_large_reads_are_spread_over_the_copies(nodes, s3_folder, monkeypatch):
@@ -276,7 +326,7 @@ async def test_budget_and_foreign_holders(nodes, s3_folder, caplog):
     assert (await coord.wait()).committed
     assert coord.tier is not None
     first = {n: coord.tier.store.handle(n)._actor_id for n, _ in coord.tier.holders}
-    coord.close()
+    abandon(coord)  # a driver that died: the next one of the same run finds its holders
 
     small = config(s3_folder.url, opts, fingerprint="A", memory_budget_bytes=100_000)
     coord = CheckpointCoordinator(small)  # the same run: finds the holders and step 1
@@ -287,7 +337,7 @@ async def test_budget_and_foreign_holders(nodes, s3_folder, caplog):
     msg = str(e.value)
     assert "does not fit" in msg and "CheckpointConfig.memory_budget_bytes" in msg, msg
     assert coord.tier.steps() == [1] and committed_steps(s3_folder.url, opts) == []
-    coord.close()
+    abandon(coord)
 
     with caplog.at_level(logging.WARNING, logger="forge_ckpt"):
         coord = CheckpointCoordinator(config(s3_folder.url, opts, fingerprint="B"))

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from .holder import MemoryBudgetError
+from .holders import release_holders
 from .tier import MemoryTier, run_id_of
 
-__all__ = ["MemoryBudgetError", "MemoryTier", "run_id_of"]
+__all__ = ["MemoryBudgetError", "MemoryTier", "release_holders", "run_id_of"]

@@ -3,12 +3,18 @@ heap (not the object store: an object is lost with the worker that owns it), wit
 budget, and writes them to the durable tier on request.
 
 Keys are paths relative to the memory tier's root (`step-N/...`). A holder only ever drops a
-whole step: the oldest ones beyond `keep` when a put does not fit, or when asked to.
+whole step: the oldest ones beyond `keep` when a put does not fit (never a pinned one: a step
+waiting to be persisted), or when asked to.
+
+The actor is threaded (`max_concurrency`): a persist that writes for minutes, or a large read,
+never holds up a put or a control call, so a holder busy persisting never looks dead. One lock
+guards the file table; bytes are fetched, checksummed and written outside it.
 """
 
 from __future__ import annotations
 
 import re
+import threading
 from typing import Any
 
 import numpy as np
@@ -18,6 +24,7 @@ from ..errors import CheckpointError
 from ..storage.base import FileRecord, StorageSpec, check_record, checksums_of, crc32c_of_bytes
 
 _STEP_RE = re.compile(r"^step-(\d+)(/|$)")
+MAX_CONCURRENCY = 16  # calls a holder serves at once (puts of many writers, reads, a persist)
 
 
 class MemoryBudgetError(CheckpointError):
@@ -30,23 +37,43 @@ def step_of(key: str) -> int | None:
 
 
 class Holder:
-    """Keeps files by key; every method is synchronous (calls never interleave)."""
+    """Keeps files by key. Calls run concurrently (threads); every change of `files` and every
+    decision on it (room, create-if-absent, replace-if-tag) is made under `_lock`."""
 
-    def __init__(self, run_id: str, fingerprint: str, budget: int, keep: int) -> None:
-        self.run_id, self.fingerprint = run_id, fingerprint
+    def __init__(
+        self, run_id: str, fingerprint: str, budget: int, keep: int, incarnation: str = ""
+    ) -> None:
+        self.run_id, self.fingerprint, self.incarnation = run_id, fingerprint, incarnation
         self.budget, self.keep = budget, keep
         self.files: dict[str, bytes] = {}
+        self.pinned: set[int] = set()  # steps waiting to be persisted: never dropped for room
+        self.persisting = 0  # persists in progress (for info())
+        self._lock = threading.Lock()
         self.node_id = ray.get_runtime_context().get_node_id()
 
     def info(self) -> dict[str, Any]:
-        used = sum(len(v) for v in self.files.values())
-        return {"run_id": self.run_id, "fingerprint": self.fingerprint, "node_id": self.node_id,
-                "used": used, "budget": self.budget, "files": len(self.files)}  # fmt: skip
+        with self._lock:
+            used = sum(len(v) for v in self.files.values())
+            return {"run_id": self.run_id, "fingerprint": self.fingerprint,
+                    "incarnation": self.incarnation, "node_id": self.node_id, "used": used,
+                    "budget": self.budget, "files": len(self.files),
+                    "pinned": sorted(self.pinned), "persisting": self.persisting}  # fmt: skip
 
     def configure(self, budget: int, keep: int) -> dict[str, Any]:
-        """A restarted driver's budget and keep apply to the holders it finds."""
-        self.budget, self.keep = budget, keep
+        """A restarted driver's budget and keep apply to the holders it finds; the pins of a
+        driver that died mid-persist are dropped (its persist will never finish)."""
+        with self._lock:
+            self.budget, self.keep = budget, keep
+            self.pinned.clear()
         return self.info()
+
+    def pin(self, step: int, on: bool = True) -> None:
+        """Keep `step` (or stop keeping it) whatever room a put needs: it is being persisted."""
+        with self._lock:
+            if on:
+                self.pinned.add(step)
+            else:
+                self.pinned.discard(step)
 
     def put(self, key: str, refs: list[Any], record: dict) -> int:
         """Fetch the writer's object (Ray moves it node to node), check it, keep it. A small
@@ -57,43 +84,49 @@ class Holder:
         algo = None if rec.digest is None else rec.digest.split(":", 1)[0]
         c = checksums_of(buf, algo)
         check_record(f"mem holder {self.node_id[:8]}:{key}", c.size, c.crc, rec, c.record(key))
-        self._make_room(key, len(buf))
-        self.files[key] = buf
+        with self._lock:
+            self._make_room(key, len(buf))
+            self.files[key] = buf
         return len(buf)
 
     def _make_room(self, key: str, size: int) -> None:
+        """Drop whole steps older than the newest `keep` (never a pinned one) until `size`
+        bytes fit; the caller holds the lock."""
         used = sum(len(v) for k, v in self.files.items() if k != key)
         if used + size <= self.budget:
             return
         steps = sorted({s for s in map(step_of, self.files) if s is not None})
         mine = step_of(key)
         for old in steps[: max(len(steps) - self.keep, 0)]:
-            if old == mine:
+            if old == mine or old in self.pinned:
                 continue
-            self.drop_step(old)
+            self._drop(old)
             used = sum(len(v) for k, v in self.files.items() if k != key)
             if used + size <= self.budget:
                 return
+        pinned = f", and step(s) {sorted(self.pinned)} wait to be persisted" if self.pinned else ""
         raise MemoryBudgetError(
             f"memory holder on node {self.node_id} (run {self.run_id}): {key} ({size} bytes) "
             f"does not fit: {used} of {self.budget} bytes are used by the newest "
-            f"{self.keep} step(s). Raise CheckpointConfig.memory_budget_bytes or lower "
+            f"{self.keep} step(s){pinned}. Raise CheckpointConfig.memory_budget_bytes or lower "
             "memory_keep"
         )
 
     def create(self, key: str, data: bytes, overwrite: bool = False) -> bool:
         """Small control files (manifest, COMMIT): False if present and not `overwrite`."""
-        if key in self.files and not overwrite:
-            return False
-        self.files[key] = bytes(data)
-        return True
+        with self._lock:
+            if key in self.files and not overwrite:
+                return False
+            self.files[key] = bytes(data)
+            return True
 
     def replace(self, key: str, data: bytes, tag: str) -> str | None:
-        cur = self.files.get(key)
-        if cur is None or crc32c_of_bytes(cur) != tag:
-            return None
-        self.files[key] = bytes(data)
-        return crc32c_of_bytes(data)
+        with self._lock:
+            cur = self.files.get(key)
+            if cur is None or crc32c_of_bytes(cur) != tag:
+                return None
+            self.files[key] = bytes(data)
+            return crc32c_of_bytes(data)
 
     def get(
         self, key: str, start: int = 0, end: int | None = None, limit: int | None = None
@@ -102,51 +135,77 @@ class Holder:
         once, read without a copy by a reader on this node), where bytes are pickled. A
         range longer than `limit` is answered with the file's size (the reader then splits
         it over the copies)."""
-        data = self.files.get(key)
+        with self._lock:
+            data = self.files.get(key)
         if data is None:
             return None
         view = np.frombuffer(data, dtype=np.uint8)[start:end]
         return len(data) if limit is not None and len(view) > limit else view
 
     def has(self, keys: list[str]) -> list[bool]:
-        return [k in self.files for k in keys]
+        with self._lock:
+            return [k in self.files for k in keys]
 
     def sizes(self, prefix: str = "") -> dict[str, int]:
-        return {k: len(v) for k, v in self.files.items() if k.startswith(prefix)}
+        with self._lock:
+            return {k: len(v) for k, v in self.files.items() if k.startswith(prefix)}
 
     def rename(self, src: str, dst: str) -> bool:
         """False if this holder has no copy of `src`."""
-        data = self.files.pop(src, None)
-        if data is None:
-            return False
-        self.files[dst] = data
-        return True
+        with self._lock:
+            data = self.files.pop(src, None)
+            if data is None:
+                return False
+            self.files[dst] = data
+            return True
 
     def delete(self, key: str) -> None:
-        self.files.pop(key, None)
+        with self._lock:
+            self.files.pop(key, None)
 
     def delete_prefix(self, prefix: str) -> None:
+        with self._lock:
+            self._delete_prefix(prefix)
+
+    def _delete_prefix(self, prefix: str) -> None:
         for k in [k for k in self.files if k == prefix or k.startswith(prefix.rstrip("/") + "/")]:
             del self.files[k]
 
     def drop_step(self, step: int) -> None:
+        with self._lock:
+            self._drop(step)
+
+    def _drop(self, step: int) -> None:
         """COMMIT first, so that this holder never offers a half-dropped step as whole."""
         self.files.pop(f"step-{step}/COMMIT", None)
-        self.delete_prefix(f"step-{step}")
+        self._delete_prefix(f"step-{step}")
+
+    def open_durable(self, spec: StorageSpec) -> Any:
+        """The durable storage a persist writes to (a seam: tests hold its writes)."""
+        from ..storage import open_storage
+
+        return open_storage(spec)
 
     def persist(self, spec: StorageSpec, keys: list[tuple[str, str]]) -> list[dict]:
         """Write (key -> path) to the durable storage `spec` from this holder's copies;
-        returns the written records (the driver checks them against the manifest)."""
-        from ..storage import open_storage
-
-        store = open_storage(spec)
+        returns the written records (the driver checks them against the manifest). Runs
+        beside other calls: only the lookup of each file's bytes takes the lock."""
+        store = self.open_durable(spec)
         out = []
-        for key, path in keys:
-            data = self.files.get(key)
-            if data is None:
-                raise FileNotFoundError(f"memory holder on node {self.node_id}: {key} is gone")
-            out.append(store.write(path, data).to_dict())
+        with self._lock:
+            self.persisting += 1
+        try:
+            for key, path in keys:
+                with self._lock:
+                    data = self.files.get(key)
+                if data is None:
+                    raise FileNotFoundError(f"memory holder on node {self.node_id}: {key} is gone")
+                out.append(store.write(path, data).to_dict())
+        finally:
+            with self._lock:
+                self.persisting -= 1
         return out
 
 
-HolderActor: Any = ray.remote(num_cpus=0, max_restarts=0)(Holder)
+_OPTIONS: dict[str, Any] = {"num_cpus": 0, "max_restarts": 0, "max_concurrency": MAX_CONCURRENCY}
+HolderActor: Any = ray.remote(**_OPTIONS)(Holder)

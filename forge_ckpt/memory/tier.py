@@ -1,62 +1,62 @@
 """The memory tier as the coordinator sees it: start or find this run's holders (one detached
-actor per node, named after the run), retire holders left by another run, tell whether a
-memory step is still whole, and persist a memory step to the durable folder from the
-holders' copies (the units are not involved a second time).
+actor per node, named after the run; `holders.py`), tell whether a memory step is still
+whole, keep the newest memory steps (and every step still waiting to be persisted), and
+persist a memory step to the durable folder from the holders' copies (the units are not
+involved a second time). A persist's failure is kept until `flush()` raises it or
+`settle()` hands it over: never dropped, whatever persists started since.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-import ray
-
 from .. import commit, layout
 from ..errors import CheckpointCorruptError, CheckpointError
 from ..storage import FileRecord, Storage, StorageSpec, open_storage
-from .holder import HolderActor
-from .placement import HolderRef, holder_name
-from .store import MemoryStorage, forget
+from .holders import Identity, alive_nodes, incarnation, run_id_of
+from .placement import HolderRef
+from .store import MemoryStorage
 
 log = logging.getLogger("forge_ckpt")
+NODES_EVERY_S = 2.0  # how often a save looks for nodes that joined (a GCS call)
 
 
-def run_id_of(folder: str) -> str:
-    """The same durable folder gives the same run id, so a restarted driver finds its holders."""
-    return hashlib.sha256(folder.encode()).hexdigest()[:16]
-
-
-def _alive_nodes() -> list[str]:
-    return [n["NodeID"] for n in ray.nodes() if n.get("Alive")]
-
-
-def open_tier(config: Any, on_error: Callable[[], None]) -> MemoryTier | None:
+def open_tier(
+    config: Any, on_error: Callable[[], None], durable: Storage | None = None
+) -> MemoryTier | None:
     """The memory tier when configured (`memory_every`); `on_error` (the lease's release)
-    runs if it cannot start, so a failed coordinator never keeps the folder."""
+    runs if it cannot start, so a failed coordinator never keeps the folder. `durable`: the
+    folder (under the caller's lease), where the folder's incarnation id is kept."""
     if not config.memory_every:
         return None
     try:
-        return MemoryTier(config)
+        return MemoryTier(config, durable)
     except BaseException:
         on_error()
         raise
 
 
 class MemoryTier:
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, durable: Storage | None = None) -> None:
         self.config = config
         self.run_id = run_id_of(config.folder)
         self.fingerprint = str(config.fingerprint or "")
         self.namespace = str(config.memory_namespace)
-        self._use(self._start_holders(_alive_nodes()))
+        durable = durable if durable is not None else open_storage(config.storage)
+        self.identity = Identity(self.run_id, self.fingerprint, incarnation(durable),
+                                 self.namespace)  # fmt: skip
+        self._use(self._start_holders(alive_nodes()))
         self.saves = 0
         self._recent: list[int] | None = None  # memory steps for retention (None: list them)
+        self._pinned: set[int] = set()  # due to be persisted, not yet: retention keeps them
         self._persisting: asyncio.Task | None = None
-        self._checked_nodes = time.monotonic()
+        self._cancelled: asyncio.Task | None = None  # cancel() asked once
+        self._failures: list[tuple[int, BaseException]] = []  # persists that failed, unraised
+        self._checked_nodes: float | None = None  # the first save looks for new nodes
         commit.remove_uncommitted(self.store)  # a crashed driver's half-saved memory step
 
     def _use(self, holders: list[HolderRef]) -> None:
@@ -73,14 +73,15 @@ class MemoryTier:
         self.store: MemoryStorage = open_storage(self.spec)  # type: ignore[assignment]
         self.holders: list[HolderRef] = holders
 
-    def add_new_nodes(self, every_s: float = 2.0) -> list[str]:
-        """Start holders on nodes that joined since (a replacement for a lost node), at most
-        every `every_s`; the next save places copies on them too. Their ids, if any."""
-        if time.monotonic() - self._checked_nodes < every_s:
+    def add_new_nodes(self, every_s: float = NODES_EVERY_S) -> list[str]:
+        """Start holders on nodes that joined since (a replacement for a lost node): at the
+        first save, then at most every `every_s`; the next save places copies on them too.
+        Their ids, if any."""
+        if self._checked_nodes is not None and time.monotonic() - self._checked_nodes < every_s:
             return []
         self._checked_nodes = time.monotonic()
         known = {node for _, node in self.holders}
-        new = [n for n in _alive_nodes() if n not in known]
+        new = [n for n in alive_nodes() if n not in known]
         if new:
             self._use([*self.holders, *self._start_holders(new)])
             log.info("memory tier: holders started on new nodes %s", [n[:8] for n in new])
@@ -88,63 +89,18 @@ class MemoryTier:
 
     # ---- holders -----------------------------------------------------------------------
     def _start_holders(self, nodes: list[str]) -> list[HolderRef]:
-        if not ray.is_initialized():
-            raise CheckpointError("the memory tier needs Ray: call ray.init() first")
-        refs = []
-        for node in nodes:
-            name = holder_name(self.run_id, node)
-            self._retire_foreign(name)
-            try:
-                ray.get_actor(name, namespace=self.namespace)
-            except ValueError:
-                self._create(name, node)
-            refs.append((name, node))
         cfg = self.config
-        for name, _ in refs:  # every holder answers (with our budget) before the first save
-            h = ray.get_actor(name, namespace=self.namespace)
-            ray.get(h.configure.remote(cfg.memory_budget_bytes, cfg.memory_keep), timeout=60)
-        return refs
-
-    def _retire_foreign(self, name: str) -> None:
-        """Kill a holder of this folder left by a run with another fingerprint."""
-        try:
-            old = ray.get_actor(name, namespace=self.namespace)
-            info = ray.get(old.info.remote(), timeout=30)
-        except (ValueError, ray.exceptions.RayActorError):
-            return
-        if info["fingerprint"] == self.fingerprint:
-            return
-        log.warning("retiring memory holder %s of another run (fingerprint %r, ours %r)",
-                    name, info["fingerprint"], self.fingerprint)  # fmt: skip
-        ray.kill(old, no_restart=True)
-        forget(self.namespace, name)
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:  # the name is released asynchronously
-            try:
-                ray.get_actor(name, namespace=self.namespace)
-            except ValueError:
-                return
-            time.sleep(0.05)
-        raise CheckpointError(f"memory holder {name} did not go away after ray.kill")
-
-    def _create(self, name: str, node: str) -> None:
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-        cfg = self.config
-        HolderActor.options(
-            name=name,
-            namespace=self.namespace,
-            lifetime="detached",
-            scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
-        ).remote(self.run_id, self.fingerprint, cfg.memory_budget_bytes, cfg.memory_keep)
+        return self.identity.start(nodes, cfg.memory_budget_bytes, cfg.memory_keep)
 
     def shutdown(self) -> None:
         """Kill this run's holders (their copies are gone): for a run that is over."""
-        for name, _ in self.holders:
-            try:
-                ray.kill(ray.get_actor(name, namespace=self.namespace), no_restart=True)
-            except ValueError:
-                continue
+        self.identity.release(self.holders)
+
+    def close(self) -> None:
+        """The run is closed: stop a persist in flight (its step stays uncommitted in the
+        folder unless its commit had started) and release the holders' memory."""
+        self.cancel()
+        self.shutdown()
 
     def wipe(self) -> None:
         """Drop every memory step (marker first): a run that starts over."""
@@ -167,7 +123,7 @@ class MemoryTier:
                 if present.get(f"{layout.step_name(step)}/{f.path}") != f.size:
                     lost.append(f"{name} {f.path}")
         if lost:
-            alive = set(_alive_nodes())
+            alive = set(alive_nodes())
             dead = sorted({n[:8] for _, n in self.holders if n not in alive})
             raise CheckpointCorruptError(
                 self.store.where(layout.step_name(step)),
@@ -189,30 +145,67 @@ class MemoryTier:
         every `durable_every`-th save), in the background (one persist at a time; `flush()`
         raises its error). `persist`: the coordinator's commit and durable retention."""
         commit_fn, retention = persist
-        await asyncio.to_thread(self._retention, manifest.step)
-        await asyncio.to_thread(self.add_new_nodes)
+        step = manifest.step
         self.saves += 1
-        if not (self.saves % self.config.durable_every == 0 if due is None else due):
+        due = self.saves % self.config.durable_every == 0 if due is None else due
+        if due:  # pinned before any retention: it stays in memory until persisted
+            self._pinned.add(step)
+            await asyncio.to_thread(self.store.on_all, "pin", step, True)
+        await asyncio.to_thread(self._retention, step)
+        await asyncio.to_thread(self.add_new_nodes)
+        if not due:
             return
-        if self._persisting is not None:  # one at a time; a failed one was logged, and this
-            await asyncio.wait([self._persisting])  # newer step supersedes it
+        if self._persisting is not None:  # one at a time; a failure is kept for flush()
+            await asyncio.wait([self._persisting])
+        self._persisting = asyncio.create_task(
+            self._persist_step(manifest, durable, commit_fn, retention)
+        )
 
-        async def run() -> None:
+    async def _persist_step(
+        self,
+        manifest: layout.Manifest,
+        durable: Storage,
+        commit_fn: Callable[[layout.Manifest], None],
+        retention: Callable[[], Awaitable[None]],
+    ) -> None:
+        """Persist, then the folder's retention; a failure is kept (and logged) for the next
+        `flush()` / `settle()`; the step is unpinned either way."""
+        step = manifest.step
+        try:
             await self.persist(manifest, durable, self.config.storage, commit_fn)
             await retention()
-
-        self._persisting = asyncio.create_task(run())
-        self._persisting.add_done_callback(_log_failure)
+        except Exception as error:
+            e = error
+            if not isinstance(e, CheckpointError):
+                e = CheckpointError(
+                    f"persisting memory step {step}: {type(error).__name__}: {error}. The step "
+                    "is not durable (it may still be in memory); the next durable save "
+                    "persists a newer one"
+                )
+                e.__cause__ = error
+            self._failures.append((step, e))
+            log.error("persisting memory step %d to the durable folder failed: %s (the next "
+                      "wait() or aclose() raises it; load() logs it and loads the newest "
+                      "whole step)", step, e)  # fmt: skip
+        finally:
+            self._pinned.discard(step)
+        try:
+            await asyncio.to_thread(self.store.on_all, "pin", step, False)
+        except Exception as e:  # a holder that is gone has no pin to drop
+            log.debug("unpinning memory step %d: %s", step, e)
 
     def _retention(self, step: int) -> None:
-        """Drop the memory steps beyond `memory_keep`. The steps are listed once; after that
-        this tier's own commits are the list (a step lost with its holders is dropped again
-        harmlessly), which saves a listing and two reads per step at every save."""
+        """Drop the memory steps beyond `memory_keep`, never one still waiting to be
+        persisted (pinned). The steps are listed once; after that this tier's own commits
+        are the list (a step lost with its holders is dropped again harmlessly), which saves
+        a listing and two reads per step at every save."""
         if self._recent is None:
             self._recent = self.steps()
         self._recent = sorted({*self._recent, step})
         keep = commit.RetentionPolicy(keep_last=self.config.memory_keep)
         for old in keep.to_delete(self._recent):
+            if old in self._pinned:
+                continue
             commit.remove_step(self.store, old)
             self._recent.remove(old)
 
@@ -220,16 +213,39 @@ class MemoryTier:
         """The steps changed other than by our commits (a load may retire a branch)."""
         self._recent = None
 
-    async def flush(self) -> None:
-        """Wait for a persist in flight; raises its error."""
+    async def settle(self) -> BaseException | None:
+        """Wait for a persist in flight; the failure of every persist since the last call
+        (one error naming each failed step), or None. For `load()`: it logs the failure and
+        goes on to the newest whole step, where `flush()` would raise."""
         task, self._persisting = self._persisting, None
         if task is not None:
-            await task
+            await asyncio.wait([task])
+        failures, self._failures = self._failures, []
+        if not failures:
+            return None
+        if len(failures) == 1:
+            return failures[0][1]
+        err = CheckpointError(
+            "persisting memory steps failed: "
+            + "; ".join(f"step {s}: {e}" for s, e in failures)
+            + ". Those steps are not durable; the next durable save persists a newer one"
+        )
+        err.__cause__ = failures[0][1]
+        return err
+
+    async def flush(self) -> None:
+        """Wait for a persist in flight; raises the failure of any persist not yet raised."""
+        failure = await self.settle()
+        if failure is not None:
+            raise failure
 
     def cancel(self) -> None:
-        if self._persisting is not None and not self._persisting.done():
+        """Stop a persist in flight (close()): once, whoever asks again."""
+        task = self._persisting
+        if task is not None and not task.done() and task is not self._cancelled:
             log.warning("closing while persisting a memory step: it will not be durable")
-            self._persisting.cancel()
+            task.cancel()
+            self._cancelled = task
 
     # ---- persisting --------------------------------------------------------------------
     async def persist(
@@ -240,7 +256,10 @@ class MemoryTier:
         commit_fn: Callable[[layout.Manifest], None],
     ) -> None:
         """Copy a committed memory step to the durable folder (each holder writes the files
-        it holds), then commit it there with the same manifest."""
+        it holds), then commit it there with the same manifest. A failure (or cancel) before
+        the commit removes the step's files; once the commit was called they stay, whatever
+        happens: it may have committed (a cancelled task's thread goes on), and a step
+        without COMMIT is removed by the next start (or the next persist of that step)."""
         step, name = manifest.step, layout.step_name(manifest.step)
         if step in await asyncio.to_thread(layout.committed_steps, durable):
             return
@@ -255,10 +274,10 @@ class MemoryTier:
                                                  "persisted copy differs from the manifest")  # fmt: skip
             if want:
                 raise CheckpointError(f"persisting step {step}: not written: {sorted(want)}")
-            await asyncio.to_thread(commit_fn, manifest)
         except BaseException:
             await asyncio.to_thread(commit.remove_step, durable, step)
             raise
+        await asyncio.to_thread(commit_fn, manifest)  # from here on, nothing is removed
         log.info("persisted memory step %d to %s", step, durable.where(name))
 
     async def _holders_write(self, manifest: layout.Manifest, spec: StorageSpec) -> list:
@@ -275,9 +294,3 @@ class MemoryTier:
         calls = [self.store.handle(ref[0]).persist.remote(spec, job) for ref, job in jobs.items()]
         results = await asyncio.gather(*calls)
         return [FileRecord.from_dict(r) for rs in results for r in rs]
-
-
-def _log_failure(task: asyncio.Task) -> None:
-    if not task.cancelled() and task.exception() is not None:
-        log.error("persisting a memory step failed (raised by the next wait()): %s",
-                  task.exception())  # fmt: skip

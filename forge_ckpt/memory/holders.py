@@ -1,0 +1,165 @@
+"""The life of a run's holders: which run they belong to (the folder, its incarnation and the
+run's fingerprint), starting or finding them, retiring those of another run, and releasing
+them when the run is closed (or, after a driver died without closing, on request).
+
+A run's identity is its durable folder's URL (the holders' names) plus the folder's
+incarnation: a random id written once into the folder (`.forge_ckpt.run`) by the first
+memory-tier run that opens it. A folder that was deleted gets a new id, so holders of the
+run that wrote the old folder are retired instead of offering their steps to the new run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+import uuid
+from typing import Any
+
+import ray
+
+from ..errors import CheckpointError
+from ..storage import AlreadyExistsError, Storage
+from .holder import HolderActor
+from .placement import HolderRef, holder_name
+from .store import forget
+
+log = logging.getLogger("forge_ckpt")
+RUN_FILE = ".forge_ckpt.run"
+NAME_GONE_S = 30.0  # Ray releases a killed actor's name asynchronously
+
+
+def run_id_of(folder: str) -> str:
+    """The same durable folder gives the same run id, so a restarted driver finds its holders."""
+    return hashlib.sha256(folder.encode()).hexdigest()[:16]
+
+
+def incarnation(durable: Storage) -> str:
+    """The folder's incarnation id: read, or created at the first open (create-if-absent, so
+    two openers agree; the caller holds the folder's lease anyway)."""
+    data = json.dumps({"run": uuid.uuid4().hex, "created": time.time()}).encode()
+    try:
+        durable.create(RUN_FILE, data)
+    except AlreadyExistsError:
+        data = bytes(durable.read(RUN_FILE))
+    try:
+        return str(json.loads(data)["run"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(
+            f"{durable.where(RUN_FILE)} is unreadable ({e}); it names this folder's run for "
+            "the memory tier: delete it (the memory steps of the run before are then retired)"
+        ) from None
+
+
+def alive_nodes() -> list[str]:
+    return [n["NodeID"] for n in ray.nodes() if n.get("Alive")]
+
+
+class Identity:
+    """Who a run's holders are: names from `run_id`, owned by (fingerprint, incarnation)."""
+
+    def __init__(self, run_id: str, fingerprint: str, inc: str, namespace: str) -> None:
+        self.run_id, self.fingerprint, self.incarnation = run_id, fingerprint, inc
+        self.namespace = namespace
+
+    def start(self, nodes: list[str], budget: int, keep: int) -> list[HolderRef]:
+        """Find or start this run's holder on each node; each answers (with our budget)
+        before the first save."""
+        if not ray.is_initialized():
+            raise CheckpointError("the memory tier needs Ray: call ray.init() first")
+        refs = []
+        for node in nodes:
+            name = holder_name(self.run_id, node)
+            self._retire_foreign(name)
+            try:
+                ray.get_actor(name, namespace=self.namespace)
+            except ValueError:
+                self._create(name, node, budget, keep)
+            refs.append((name, node))
+        for name, node in refs:
+            try:
+                h = ray.get_actor(name, namespace=self.namespace)
+                ray.get(h.configure.remote(budget, keep), timeout=60)
+            except (ValueError, ray.exceptions.RayActorError):
+                # It died since we looked (a closing run's holder going away): start anew.
+                self._wait_gone(name)
+                forget(self.namespace, name)
+                self._create(name, node, budget, keep)
+        return refs
+
+    def _retire_foreign(self, name: str) -> None:
+        """Kill a holder of this folder left by another run: another fingerprint, or the run
+        of an earlier incarnation of the folder (deleted and made again since)."""
+        try:
+            old = ray.get_actor(name, namespace=self.namespace)
+            info = ray.get(old.info.remote(), timeout=60)
+        except (ValueError, ray.exceptions.RayActorError):
+            return
+        theirs = (info["fingerprint"], info.get("incarnation", ""))
+        if theirs == (self.fingerprint, self.incarnation):
+            return
+        log.warning("retiring memory holder %s of another run (fingerprint %r, folder "
+                    "incarnation %r; ours %r, %r)", name, *theirs, self.fingerprint,
+                    self.incarnation)  # fmt: skip
+        ray.kill(old, no_restart=True)
+        forget(self.namespace, name)
+        self._wait_gone(name)
+
+    def _wait_gone(self, name: str) -> None:
+        deadline = time.monotonic() + NAME_GONE_S
+        while time.monotonic() < deadline:
+            try:
+                ray.get_actor(name, namespace=self.namespace)
+            except ValueError:
+                return
+            time.sleep(0.05)
+        raise CheckpointError(f"memory holder {name} did not go away after ray.kill")
+
+    def _create(self, name: str, node: str, budget: int, keep: int) -> None:
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        HolderActor.options(
+            name=name,
+            namespace=self.namespace,
+            lifetime="detached",
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
+        ).remote(self.run_id, self.fingerprint, budget, keep, self.incarnation)
+
+    def release(self, holders: list[HolderRef]) -> None:
+        """Kill the holders (their memory is freed) and wait until their names are free, so
+        that the next run of this folder starts its own instead of finding dying ones."""
+        _kill_all(self.namespace, [name for name, _ in holders])
+
+
+def _kill_all(namespace: str, names: list[str]) -> list[str]:
+    killed = []
+    for name in names:
+        try:
+            ray.kill(ray.get_actor(name, namespace=namespace), no_restart=True)
+        except ValueError:
+            continue
+        forget(namespace, name)
+        killed.append(name)
+    deadline = time.monotonic() + NAME_GONE_S
+    for name in killed:
+        while time.monotonic() < deadline:
+            try:
+                ray.get_actor(name, namespace=namespace)
+            except ValueError:
+                break
+            time.sleep(0.05)
+    return killed
+
+
+def release_holders(folder: str, namespace: str = "forge_ckpt") -> list[str]:
+    """Kill every memory holder of `folder` (on any node) and return their names: frees the
+    memory of a run whose driver died without `close()`. Only when no driver of that run is
+    alive: its memory steps are gone. (Opening a coordinator on the folder and closing it
+    does the same under the folder's lease.)"""
+    from ..storage import normalize_url
+
+    prefix = holder_name(run_id_of(normalize_url(folder)), "")
+    named: list[Any] = ray.util.list_named_actors(all_namespaces=True)
+    mine = [a["name"] for a in named if a["namespace"] == namespace]
+    return _kill_all(namespace, [n for n in mine if n.startswith(prefix)])
