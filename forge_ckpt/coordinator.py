@@ -89,7 +89,7 @@ class CheckpointCoordinator:
         self._committing = 0
         self._close_requested = False
         self._closed = False
-        self.tier = open_tier(config, self._lease.release)  # None: no memory tier
+        self.tier = open_tier(config, self._lease.release, self.store)  # None: no memory tier
 
     # ---- registration -------------------------------------------------------------------
 
@@ -310,7 +310,7 @@ class CheckpointCoordinator:
                 release = self._close_requested and self._committing == 0 and not self._closed
                 self._closed = self._closed or release
             if release:
-                self._lease.release()
+                self._release()
 
     async def _persisted(
         self, units: list[Unit], result: SaveResult, start: float
@@ -477,9 +477,13 @@ class CheckpointCoordinator:
         """Before a load: let a background save or persist end. Its failure is logged, not
         raised: a load chooses from what is committed, and recovery must not fail on it."""
         try:
-            await self.wait()
+            await self.wait(persisting=False)
         except Exception as e:
-            log.warning("a background save or persist failed before this load: %s", e)
+            log.warning("a background save failed before this load: %s", e)
+        if self.tier is not None:
+            failure = await self.tier.settle()
+            if failure is not None:
+                log.warning("%s; loading the newest whole step of either tier", failure)
 
     async def _load_step(
         self, step: int, exclude: set[str], allow_mismatch: bool, in_mem: bool = False
@@ -564,6 +568,14 @@ class CheckpointCoordinator:
             release = self._committing == 0
             self._closed = release
         if release:
+            self._release()
+
+    def _release(self) -> None:
+        """The run is closed: its memory holders free their memory, then the lease goes."""
+        try:
+            if self.tier is not None:
+                self.tier.close()
+        finally:
             self._lease.release()
 
     def wipe(self) -> None:

@@ -67,7 +67,7 @@ class SimActor:
             self._busy = True
             ctx = contextvars.copy_context()
             ctx.run(PROC.set, self.proc)
-            task = self._world.loop.create_task(self._serve(), context=ctx)
+            task = ctx.run(self._world.loop.create_task, self._serve())
             self.proc.tasks.append(task)
         return fut
 

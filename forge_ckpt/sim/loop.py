@@ -23,7 +23,7 @@ import selectors
 from collections.abc import Callable
 from typing import Any
 
-import greenlet
+import greenlet  # type: ignore[import-untyped]
 
 EPOCH = 1_800_000_000.0  # the virtual wall clock starts here (leases store wall-clock times)
 

@@ -210,7 +210,7 @@ async def _scenario(world: World, oracle: Oracle, jobs: list[Job]) -> None:
     for n, job in enumerate(jobs):
         ctx = contextvars.copy_context()
         ctx.run(PROC.set, job.proc)
-        task = world.loop.create_task(job.run(rng.randint(3, 9)), context=ctx)
+        task = ctx.run(world.loop.create_task, job.run(rng.randint(3, 9)))
         job.proc.tasks.append(task)
         if rng.random() < 0.5:  # kill the job (or one of its actors) at a random moment
             victim = job.proc if rng.random() < 0.7 else None
