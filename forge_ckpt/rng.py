@@ -55,6 +55,8 @@ def _misfit(gen: Generator, saved: Any, name: str) -> str | None:
         kind = saved.get("kind")
         return f"rng {name!r}: checkpoint holds a {kind} generator, this one is {live['kind']}"
     if live["kind"] == "numpy_generator":
+        if not isinstance(saved["state"], Mapping):
+            return f"rng {name!r}: the checkpoint's numpy generator state is not a mapping"
         want, got = saved["state"].get("bit_generator"), live["state"].get("bit_generator")
         if want != got:
             return f"rng {name!r}: checkpoint holds a numpy {want} bit generator, this one {got}"

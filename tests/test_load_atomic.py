@@ -36,6 +36,7 @@ from forge_ckpt import (  # noqa: E402
     CheckpointMismatchError,
     components,
     layout,
+    rng,  # noqa: E402
     spawn_trainer_ranks,
 )
 from forge_ckpt.trainer import TrainerCheckpointer  # noqa: E402
@@ -284,3 +285,14 @@ def test_a_trainer_shard_replaced_between_prepare_and_apply_is_refused(saved, tm
         ray.get(rank.forge_apply_load.remote())
     assert isinstance(e.value.cause, CheckpointCorruptError), e.value
     assert e.value.cause.path == shard
+
+
+def test_rng_restore_changes_no_stream_when_a_generator_does_not_fit():
+    state = rng.capture({"g": random.Random(1)})
+    random.seed(5)
+    torch.manual_seed(5)
+    before = (random.getstate(), torch.random.get_rng_state())
+    with pytest.raises(ValueError, match="'g': checkpoint holds a python generator"):
+        rng.restore(state, {"g": np.random.default_rng(1)})
+    assert random.getstate() == before[0] and torch.equal(torch.random.get_rng_state(), before[1])
+    assert rng.differences(state, {"g": random.Random(2)}) == []
