@@ -28,6 +28,7 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 from . import rng, serialization
+from .errors import CheckpointError, CheckpointMismatchError
 from .storage import FileRecord, Storage, StorageSpec, open_storage
 
 STATE_FORMAT = 1
@@ -135,23 +136,31 @@ class Checkpointable:
     def forge_prepare_load(
         self, where: StorageSpec, records: list[dict], verify: bool, options: dict
     ) -> list[str]:
-        """Stage the state without applying it; returns the differences the actor accepts."""
+        """Stage the state without applying it; returns the differences the actor accepts.
+        Everything `forge_apply_load` could refuse (the RNG streams' names and kinds, the
+        actor's own `validate_state_dict`) is checked here, before any component changes."""
         if "state" in options:  # resharded by the driver from the saved replicas' files
-            data = options["state"]
+            data, source = options["state"], f"{type(self).__name__} (resharded state)"
         else:
             (record,) = (FileRecord.from_dict(r) for r in records)
             store = open_storage(where)
             data = serialization.load_from(store, record.path, record if verify else None)
+            source = store.where(record.path)
+        if data.get("rng") is not None:
+            problems = rng.differences(data["rng"], self.rng_generators())
+            if problems:
+                raise CheckpointMismatchError([f"{source}: {p}" for p in problems])
         notes = self.validate_state_dict(data["state"])
         self._forge_staged = data
         return list(notes or [])
 
     def forge_apply_load(self) -> None:
-        data = self._forge_staged
-        self._forge_staged = None
+        data, self._forge_staged = getattr(self, "_forge_staged", None), None
+        if data is None:
+            raise CheckpointError(f"{type(self).__name__}: forge_apply_load without a prepare")
         self.load_state_dict(data["state"])
         if data.get("rng") is not None:
-            rng.restore(data["rng"], self.rng_generators())
+            rng.restore(data["rng"], self.rng_generators())  # checked by prepare: cannot fail
 
     def forge_abort_load(self) -> None:
         self._forge_staged = None

@@ -25,8 +25,8 @@ from typing import Any
 
 from . import layout, serialization
 from .actor import wrap_state
-from .errors import CheckpointCorruptError, CheckpointMismatchError
-from .remote_errors import describe, unwrap
+from .errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
+from .remote_errors import describe, full_text, is_lost, unwrap
 from .reshard import ReshardRule
 from .storage import FileRecord, StorageSpec, open_storage
 
@@ -34,6 +34,13 @@ log = logging.getLogger("forge_ckpt")
 PROTOCOL_METHOD = "forge_begin_save"
 RESHARD_HOOK = "reshard_states"  # optional static method of an actor class
 STATE_OPTION = "state"  # prepare's option carrying a resharded state (no file to read)
+VERIFY_OPTION = "verify"  # prepare's option forcing verification (a step with digests)
+
+
+def _verified(verify: bool, options: dict) -> tuple[bool, dict]:
+    """The unit's `verify` and its options without the forcing one (see `must_verify`)."""
+    forced = bool(options.get(VERIFY_OPTION))
+    return verify or forced, {k: v for k, v in options.items() if k != VERIFY_OPTION}
 
 
 @dataclass
@@ -111,6 +118,7 @@ class RemoteUnit(Unit):
     async def prepare(
         self, where: StorageSpec, records: list[FileRecord], verify: bool, options: dict
     ) -> list[str]:
+        verify, options = _verified(verify, options)
         dicts = [r.to_dict() for r in records]
         notes = await self.handle.forge_prepare_load.remote(where, dicts, verify, options)
         return list(notes or [])
@@ -160,6 +168,7 @@ class PlainUnit(Unit):
     async def prepare(
         self, where: StorageSpec, records: list[FileRecord], verify: bool, options: dict
     ) -> list[str]:
+        verify, options = _verified(verify, options)
         if STATE_OPTION in options:
             self._staged = options[STATE_OPTION]
             return []
@@ -364,7 +373,13 @@ async def load_plan(
     where: StorageSpec,
     verify: bool,
 ) -> LoadPlan:
-    """Which unit loads what; resharded states are made here, before any unit prepares."""
+    """Which unit loads what; resharded states are made here, before any unit prepares.
+    A step whose files carry digests is verified whatever `verify` says (see must_verify)."""
+    if not verify and must_verify(manifest):
+        log.info("step %d is signed (or has digests): verifying it despite verify_on_load=False",
+                 manifest.step)  # fmt: skip
+        forced = await load_plan(groups, manifest, exclude, where, True)
+        return [(u, recs, {**opts, VERIFY_OPTION: True}) for u, recs, opts in forced]
     plan: LoadPlan = []
     for name, group in groups.items():
         if name in exclude:
@@ -375,6 +390,78 @@ async def load_plan(
             continue
         plan += await group.plan(manifest.components[name], exclude, where, verify)
     return plan
+
+
+async def apply_all(units: list[Unit], step: int, timeout_s: float) -> None:
+    """Apply what every unit prepared, all at once (trainer ranks' loads are collectives).
+
+    Prepare refused every mismatch it could see, so a failure here is a component's own
+    `load_state_dict` raising, a lost actor, a file replaced since it was verified, or a
+    timeout; other components may already be applied. The CheckpointError names the
+    components applied, those not applied and those whose outcome is unknown (also as its
+    `applied`, `not_applied`, `unknown` lists), so nobody trains on a mixed state believing
+    nothing changed."""
+    tasks = [asyncio.ensure_future(u.apply()) for u in units]
+    pending: set[asyncio.Future] = set()
+    if tasks:
+        _, pending = await asyncio.wait(tasks, timeout=timeout_s)
+    for t in pending:
+        t.cancel()
+    failures: dict[str, BaseException] = {}
+    late: set[str] = set()
+    for u, t in zip(units, tasks, strict=True):
+        if t in pending or t.cancelled():
+            late.add(u.label)
+            failures[u.label] = TimeoutError(
+                f"no answer within {timeout_s:.0f}s (CheckpointConfig.load_timeout_s)"
+            )
+        elif t.exception() is not None:
+            failures[u.label] = t.exception()  # type: ignore[assignment]
+    if failures:
+        raise apply_error(units, failures, late, step)
+
+
+def apply_error(
+    units: list[Unit], failures: dict[str, BaseException], late: set[str], step: int
+) -> CheckpointError:
+    """One error for a failed apply phase: which components were applied and which not."""
+    verdict: dict[str, list[str]] = {"applied": [], "not applied": [], "unknown": []}
+    for name in dict.fromkeys(u.name for u in units):
+        mine = [u for u in units if u.name == name]
+        bad = [u for u in mine if u.label in failures]
+        if not bad:
+            verdict["applied"].append(name)
+        elif all(u.label in late for u in bad) and len(bad) == len(mine):
+            verdict["unknown"].append(name)
+        else:
+            good = [u.index for u in mine if u not in bad]
+            verdict["not applied"].append(f"{name} (only {good} applied)" if good else name)
+    for label, e in failures.items():
+        log.error("%s failed while applying step %d:\n%s", label, step, full_text(e))
+    lines = [f"{label}: {describe(unwrap(e))}" for label, e in failures.items()]
+    summary = "".join(f"\n  {k}: {', '.join(v)}" for k, v in verdict.items() if v)
+    err = CheckpointError(
+        f"load of step {step} failed while applying, after every component had prepared; "
+        f"the job's state is now mixed:{summary}\n  "
+        + "\n  ".join(lines)
+        + "\nA component that failed may be partly changed. Do not train on: fix or restart "
+        "the failing component, then load again (a load that succeeds applies every component)."
+    )
+    err.applied, err.not_applied = verdict["applied"], verdict["not applied"]  # type: ignore[attr-defined]
+    err.unknown = verdict["unknown"]  # type: ignore[attr-defined]
+    err.details = {label: full_text(e) for label, e in failures.items()}  # type: ignore[attr-defined]
+    err.lost = [label for label, e in failures.items() if is_lost(e)]  # type: ignore[attr-defined]
+    err.failed_units = set(failures)  # type: ignore[attr-defined]
+    err.__cause__ = next(iter(failures.values()))
+    return err
+
+
+def must_verify(manifest: layout.Manifest) -> bool:
+    """A step whose files carry cryptographic digests (every signed step does) is always
+    checked against them: `verify_on_load=False` skips only the CRC32C checks of steps without
+    digests. Otherwise turning verification off would load a signed step's files unchecked,
+    and a signature would prove nothing about the bytes loaded."""
+    return any(f.digest for f in manifest.files)
 
 
 def make_unit(name: str, index: int, handle: Any, relpath: str, label: str) -> Unit:

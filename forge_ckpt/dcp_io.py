@@ -10,7 +10,9 @@ records the files it wrote; those records are what it reports to the coordinator
 
 Reading: `.metadata` is checked against the manifest and then unpickled with an allowlist
 (`dcp_metadata`), never with `pickle.load`; shards come from the storage (ranged parallel GETs
-on S3), verified against their records unless this rank verified them already.
+on S3) verified against their records as they are read, unless the bytes are the very ones
+this rank verified while preparing (held in memory): DCP never reads a file that was checked
+earlier and could have been replaced since.
 """
 
 from __future__ import annotations
@@ -25,14 +27,16 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.filesystem import FileSystemBase
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
 from .errors import CheckpointCorruptError
 from .storage import FileRecord, Storage
 
 METADATA = ".metadata"
+MISFITS_SHOWN = 12  # a changed model can differ in hundreds of tensors: name the first ones
 
 
 class _WriteStream(io.RawIOBase):
@@ -81,7 +85,7 @@ class SeamFileSystem(FileSystemBase):
         elif mode == "rb":
             local = self.store.local_path(rel)
             if local is not None and rel not in self.cache and rel not in self.expected:
-                with open(local, "rb") as f:  # verified already: DCP reads slices of the file
+                with open(local, "rb") as f:  # an unverified load: DCP reads slices of the file
                     yield f
             else:
                 yield io.BytesIO(self.read(rel))
@@ -212,3 +216,31 @@ class SeamReader(FileSystemReader):
             storage_meta = metadata.storage_meta = StorageMeta()
         storage_meta.load_id = self.load_id
         return metadata
+
+
+def misfits(state_dict: dict[str, Any], metadata: Metadata) -> list[str]:
+    """Why `dcp.load(state_dict)` from a checkpoint with `metadata` would fail or change what a
+    tensor is: a key the checkpoint lacks, another shape, dtype or kind (tensor or not). DCP
+    finds these only while loading, after other components may have been applied; the trainer
+    checks them while preparing. `state_dict` is what DCP loads into, Stateful values resolved
+    (keys flattened as DCP's default planner flattens them)."""
+    flat, _ = flatten_state_dict(state_dict)
+    saved = metadata.state_dict_metadata
+    out = []
+    for fqn, obj in flat.items():
+        md = saved.get(fqn)
+        is_tensor = isinstance(obj, torch.Tensor)
+        if md is None:
+            out.append(f"{fqn}: not in the checkpoint")
+        elif not isinstance(md, TensorStorageMetadata):
+            if is_tensor:
+                out.append(f"{fqn}: the checkpoint holds a non-tensor value, this job a tensor")
+        elif not is_tensor:
+            out.append(f"{fqn}: the checkpoint holds a tensor, this job a {type(obj).__name__}")
+        elif tuple(md.size) != tuple(obj.size()):
+            out.append(f"{fqn}: shape {list(md.size)} in the checkpoint, {list(obj.size())} now")
+        elif md.properties.dtype != obj.dtype:
+            out.append(f"{fqn}: dtype {md.properties.dtype} in the checkpoint, {obj.dtype} now")
+    if len(out) > MISFITS_SHOWN:
+        out = [*out[:MISFITS_SHOWN], f"... and {len(out) - MISFITS_SHOWN} more"]
+    return out

@@ -228,6 +228,10 @@ def read_committed(folder: str | Storage, step: int, signer: Signer | None = Non
         )
     if signer is not None:
         signer.check(bytes(data), signature, store.where(marker_path))
+        if signature is None and signer.active:  # admitted by allow_unsigned: if no signed
+            older = (s for s in all_steps(store) if s < step)  # step is older (planted?)
+            first = next((s for s in older if _marker_signed(store, s)), None)
+            signer.check_unsigned_order(step, first, store.where(marker_path))
     manifest = Manifest.from_bytes(bytes(data), store.where(manifest_path))
     if signer is not None and signature is not None and signer.active:
         plain = [f.path for f in manifest.files if f.digest is None]
@@ -240,6 +244,15 @@ def read_committed(folder: str | Storage, step: int, signer: Signer | None = Non
             store.where(marker_path), f"marker names step {want_step}, folder differs"
         )
     return manifest
+
+
+def _marker_signed(store: Storage, step: int) -> bool:
+    """Whether a step's COMMIT carries a signature (valid or not: a bogus one can only make
+    `allow_unsigned` refuse more, never admit a planted step)."""
+    try:
+        return "signature" in json.loads(store.read(f"{step_name(step)}/{MARKER}", 0, 4096))
+    except (OSError, ValueError, TypeError, CheckpointCorruptError):
+        return False
 
 
 def parse_step(dirname: str) -> int | None:

@@ -85,8 +85,27 @@ class Signer:
                 return
             raise CheckpointSignatureError(
                 f"{where}: the step is not signed, and a signing key is configured; load it "
-                "with allow_unsigned=True if you trust it, or re-save it signed"
+                "with allow_unsigned=True if you trust it (steps older than the first signed "
+                "one only), or re-save it signed"
             )
+        self._check_mac(manifest, signature, where)
+
+    def check_unsigned_order(self, step: int, signed_before: int | None, where: str) -> None:
+        """`allow_unsigned` admits an unsigned step only if no signed step is older: a run
+        that signs keeps signing, so an unsigned step after a signed one was planted (or saved
+        without the key) and must never become the step a job resumes."""
+        if signed_before is None:
+            return
+        raise CheckpointSignatureError(
+            f"{where}: step {step} is not signed, but step {signed_before}, older, is. "
+            "allow_unsigned=True admits only steps older than the first signed step (those "
+            "saved before signing was turned on); an unsigned step after a signed one was saved "
+            "without the key or planted by someone who can write the folder. If you did not "
+            f"save it unsigned, move step-{step} out of the folder; else load a signed step "
+            "with load(step=...)"
+        )
+
+    def _check_mac(self, manifest: bytes, signature: str, where: str) -> None:
         scheme, _, rest = signature.partition(":")
         kid, _, mac = rest.partition(":")
         keys = [k for k in (self.signing_key, *self.verify_keys) if k is not None]

@@ -39,6 +39,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
@@ -52,7 +53,7 @@ from torchtitan.components.checkpointer import (
 from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer
 
 from . import layout, rng, serialization
-from .dcp_io import METADATA, SavePlanner, SeamReader, SeamWriter
+from .dcp_io import METADATA, SavePlanner, SeamReader, SeamWriter, misfits
 from .dcp_metadata import load_metadata
 from .errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
 from .staging import SnapshotBuffers
@@ -107,6 +108,7 @@ class TrainerCheckpointer:
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         self.lr_schedulers = lr_schedulers
+        self._optimizers = optimizers
         self._generators = dict(rng_generators or {})
         # folder is never used: every save and load names its step folder explicitly, and
         # keep_latest_k=0 keeps TorchTitan's purge thread (which deletes step-N by name) off;
@@ -299,13 +301,17 @@ class TrainerCheckpointer:
         rank_file: str | None,
         saved_rank: int | None = None,
     ) -> None:
-        """Verify files and decode this rank's file; changes nothing in the trainer.
+        """Verify files, decode this rank's file, and check that everything fits this
+        trainer (every tensor's shape, dtype and kind against `.metadata`; the RNG streams'
+        names and kinds), so that the apply cannot fail on a mismatch; changes nothing.
 
         Every rank checks `.metadata` and its own rank file; the shards are split among ranks
         (the shards rank r wrote are checked by rank r % world_size, which with an unchanged
         world size is the rank that reads them). Verified bytes of an object store are kept
-        for the load, so nothing is downloaded twice. No collectives: a rank that fails
-        raises, and the coordinator aborts the load on every rank.
+        for the load, so nothing is downloaded twice; a local shard is checked here (to refuse
+        early) and again as the apply reads it, so a file replaced in between is refused, never
+        loaded. No collectives: a rank that fails raises, and the coordinator aborts the load
+        on every rank.
         """
         self._join_aborted()
         if self._future is not None:
@@ -315,47 +321,95 @@ class TrainerCheckpointer:
         recs = {r["path"]: FileRecord.from_dict(r) for r in records}
         for path in recs:
             layout.check_relpath(path, store.where(layout.MANIFEST))
-        cache = self._verify(store, recs) if verify else {}
+        cache, metadata = self._verify(store, recs, verify)
+        self._check_fits(metadata, load_optimizer, store.where(DCP_METADATA))
         rank_state = None
         if rank_file is not None:
-            if verify and rank_file not in recs:
-                raise CheckpointCorruptError(store.where(rank_file), "not listed in the manifest")
-            rank_rec = recs.get(rank_file) if verify else None
-            rank_state = serialization.load_from(store, rank_file, rank_rec)
-            want = self.rank if saved_rank is None else saved_rank
-            if rank_state.get("rank") != want:
-                raise CheckpointMismatchError(
-                    [
-                        f"{store.where(rank_file)} holds rank {rank_state.get('rank')}, "
-                        f"expected rank {want} (loaded by rank {self.rank})"
-                    ]  # fmt: skip
-                )
-            if want != self.rank:
-                log.info("trainer rank %d restores the RNG streams of saved rank %d "
-                         "(world size changed)", self.rank, want)  # fmt: skip
-        # Files this rank verified are not checked again while DCP reads them; the others
-        # (another rank's shards, when resharding) are checked as they are read.
+            rank_state = self._read_rank_file(store, recs, verify, rank_file, saved_rank)
+        # Every file DCP reads is checked again as it is read, unless its verified bytes are
+        # held here: a file replaced after this check is never loaded unseen.
         unchecked = {p: r for p, r in recs.items() if p not in cache} if verify else {}
-        cache = {p: data for p, data in cache.items() if data}
         self._staged = _StagedLoad(store, load_optimizer, rank_state, unchecked, cache)
 
-    def _verify(self, store: Storage, recs: dict[str, FileRecord]) -> dict[str, bytes | bytearray]:
-        if DCP_METADATA not in recs:
+    def _read_rank_file(
+        self,
+        store: Storage,
+        recs: dict[str, FileRecord],
+        verify: bool,
+        rank_file: str,
+        saved_rank: int | None,
+    ) -> dict[str, Any]:
+        """This rank's saved RNG streams, checked to fit this rank's generators."""
+        if verify and rank_file not in recs:
+            raise CheckpointCorruptError(store.where(rank_file), "not listed in the manifest")
+        rank_rec = recs.get(rank_file) if verify else None
+        rank_state = serialization.load_from(store, rank_file, rank_rec)
+        want = self.rank if saved_rank is None else saved_rank
+        if rank_state.get("rank") != want:
+            raise CheckpointMismatchError(
+                [
+                    f"{store.where(rank_file)} holds rank {rank_state.get('rank')}, "
+                    f"expected rank {want} (loaded by rank {self.rank})"
+                ]  # fmt: skip
+            )
+        problems = rng.differences(rank_state.get("rng"), self._generators)
+        if problems:
+            raise CheckpointMismatchError(
+                [f"{store.where(rank_file)}: {p}" for p in problems],
+                "pass the same rng_generators to TrainerCheckpointer as the run that saved, "
+                "or load(exclude=['trainer']); nothing was applied",
+            )
+        if want != self.rank:
+            log.info("trainer rank %d restores the RNG streams of saved rank %d "
+                     "(world size changed)", self.rank, want)  # fmt: skip
+        return rank_state
+
+    def _check_fits(self, metadata: Metadata, load_optimizer: bool, where: str) -> None:
+        """Refuse, before any component is applied, what DCP would refuse only halfway through
+        the apply: a tensor the checkpoint lacks, or of another shape, dtype or kind. A fresh
+        optimizer has no state tensors until its first step: TorchTitan's state_dict() makes
+        them with a zero step, which is undone here (the apply makes them again)."""
+        fresh = [o for o in self._optimizers.optimizers if not o.state] if load_optimizer else []
+        try:
+            problems = misfits(_resolve(self._load_targets(load_optimizer)), metadata)
+        finally:
+            for opt in fresh:
+                opt.state.clear()
+        if problems:
+            raise CheckpointMismatchError(
+                [f"{where}: {p}" for p in problems],
+                "build the model and optimizer as the run that saved did (or reshard the "
+                "checkpoint offline), or load(exclude=['optimizer']) if only the optimizer "
+                "differs; nothing was applied",
+            )
+
+    def _load_targets(self, load_optimizer: bool) -> dict[str, Any]:
+        """The state dict DCP loads into (its Stateful values not yet resolved)."""
+        states = self.manager.states
+        return flat_state({k: v for k, v in states.items() if load_optimizer or k != OPTIMIZER})
+
+    def _verify(
+        self, store: Storage, recs: dict[str, FileRecord], verify: bool
+    ) -> tuple[dict[str, bytes | bytearray], Metadata]:
+        """Check `.metadata` and this rank's share of the shards; returns the bytes to hold
+        for the apply (always `.metadata`; on an object store, the verified shards too, so
+        nothing is downloaded twice) and the decoded metadata."""
+        if verify and DCP_METADATA not in recs:
             raise CheckpointCorruptError(store.where(DCP_METADATA), "not listed in the manifest")
-        keep = store.local_path() is None  # an object store: keep what was downloaded
-        cache: dict[str, bytes | bytearray] = {}
         # DCP's metadata is opened here, through the allowlist: a planted pickle is refused
-        # before anything is applied, and never runs.
-        meta = store.read_verified(DCP_METADATA, recs[DCP_METADATA])
-        load_metadata(meta, store.where(DCP_METADATA))
-        cache[DCP_METADATA] = meta
+        # before anything is applied, and never runs. The apply reads these very bytes.
+        meta = store.read_verified(DCP_METADATA, recs.get(DCP_METADATA) if verify else None)
+        cache: dict[str, bytes | bytearray] = {DCP_METADATA: meta}
+        metadata = load_metadata(meta, store.where(DCP_METADATA))
+        if not verify:
+            return cache, metadata
+        keep = store.local_path() is None  # an object store: keep what was downloaded
         for path in (p for p in sorted(recs) if self._checks(p)):
             if keep:
                 cache[path] = store.read_verified(path, recs[path])
-            else:
+            else:  # checked now to refuse early, and again as DCP reads it
                 store.verify(path, recs[path])
-                cache[path] = b""  # verified here: the load reads the file as it is
-        return cache
+        return cache, metadata
 
     def _checks(self, path: str) -> bool:
         m = _SHARD_RE.match(path)
@@ -370,9 +424,7 @@ class TrainerCheckpointer:
             raise CheckpointError(f"trainer rank {self.rank}: apply_load without prepare_load")
         self._staged = None
         states = self.manager.states
-        sd = flat_state(
-            {k: v for k, v in states.items() if staged.load_optimizer or k != OPTIMIZER}
-        )
+        sd = self._load_targets(staged.load_optimizer)
         reader = SeamReader(staged.store, staged.expected, staged.cache)
         with _dcp_errors(self.rank):
             dcp.load(sd, storage_reader=reader)
@@ -385,7 +437,7 @@ class TrainerCheckpointer:
                 "trainer rank %d: no rank file (world size changed?): RNG not restored", self.rank
             )
         else:
-            rng.restore(staged.rank_state["rng"], self._generators)
+            rng.restore(staged.rank_state["rng"], self._generators)  # fits: checked in prepare
 
     def _lr_to_optimizer(self) -> None:
         """A fresh optimizer keeps its initial LR until the scheduler's next step; give it the

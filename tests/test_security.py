@@ -187,3 +187,57 @@ def test_rewritten_manifest_and_wrong_or_missing_keys(job, tmp_path):
         asyncio.run(coord.load())
     coord.close()
     assert layout.committed_steps(folder) == [1]  # a wrong key never moves a step aside
+
+
+def flip_byte(path: str, at: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(at)
+        b = f.read(1)
+        f.seek(at)
+        f.write(bytes([b[0] ^ 1]))
+
+
+@pytest.mark.parametrize("victim", ["actors/sampler.0.msgpack", "__0_0.distcp"])
+def test_a_signed_step_is_verified_even_with_verify_on_load_off(job, tmp_path, victim):
+    """verify_on_load=False skips CRC32C checks of unsigned steps only: skipping the digests of
+    a signed step would load any change made without the key."""
+    folder = str(tmp_path / "ckpt")
+    coord = saved(job, folder, signing_key="k1")
+    asyncio.run(coord.save(1))
+    coord.close()
+    path = os.path.join(layout.step_dir(folder, 1), victim)
+    flip_byte(path, os.path.getsize(path) - 8)  # tensor bytes: it would decode and load
+    coord = saved(job, folder, signing_key="k1", verify_on_load=False)
+    try:
+        with pytest.raises(CheckpointCorruptError, match=os.path.basename(victim)):
+            asyncio.run(coord.load())
+    finally:
+        coord.close()
+
+
+def test_allow_unsigned_never_admits_an_unsigned_step_after_a_signed_one(job, tmp_path):
+    folder = str(tmp_path / "ckpt")
+    coord = saved(job, folder)  # saved before signing was turned on: may be admitted
+    asyncio.run(coord.save(1))
+    coord.close()
+    coord = saved(job, folder, signing_key="k1")
+    asyncio.run(coord.save(2))
+    coord.close()
+    coord = saved(job, folder)  # planted: an unsigned step newer than every signed one
+    asyncio.run(coord.save(3))
+    coord.close()
+
+    coord = saved(job, folder, signing_key="k1", allow_unsigned=True)
+    try:
+        with pytest.raises(CheckpointSignatureError, match="step 3 is not signed, but step 2"):
+            asyncio.run(coord.load())
+        assert asyncio.run(coord.load(step=2)).step == 2  # the signed step still loads
+        assert asyncio.run(coord.load(step=1)).step == 1  # older than any signed step: admitted
+    finally:
+        coord.close()
+    coord = saved(job, folder, signing_key="k1")  # without allow_unsigned: refused as before
+    try:
+        with pytest.raises(CheckpointSignatureError, match="not signed"):
+            asyncio.run(coord.load(step=1))
+    finally:
+        coord.close()
