@@ -506,7 +506,7 @@ class CheckpointCoordinator:
         accepted = (f"{u.name}: {n}" for u, ns in zip(units, notes, strict=True) for n in ns)
         for line in dict.fromkeys(accepted):  # once per component, not per replica
             log.warning("loading despite a difference the component accepts: %s", line)
-        await self._all(units, lambda u: u.apply(), step, "load")
+        await components.apply_all(units, step, self.config.load_timeout_s)
         log.info("loaded step %d from %s", step, where.url)
         return LoadResult(step, manifest.extra, where.url, manifest, TIER[in_mem])
 

@@ -248,11 +248,6 @@ async def test_an_apply_that_fails_names_the_components_applied_and_not(saved):
     assert await keeper.get.remote() == 1  # applied, as the error says
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="needs CheckpointCoordinator._load_step to apply with components.apply_all "
-    "(coordinator.py is not this branch's; see CHANGELOG)",
-)
 async def test_load_whose_apply_fails_names_the_components_applied(saved):
     keeper, other = Keeper.remote(-1), Keeper.remote(-2, boom=True)
     coord = coordinator(saved.folder, saved.ranks, keeper, other)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import logging
 import sys
 import time
@@ -16,12 +17,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--first", type=int, default=0, help="the first seed")
     p.add_argument("--seed", type=int, help="replay this one seed")
     p.add_argument("--trace", action="store_true", help="print the event trace")
+    p.add_argument("--verbose", action="store_true", help="name each seed as it starts")
+    p.add_argument("--hang-s", type=float, default=60.0, help="a seed that runs longer hangs")
     args = p.parse_args(argv)
     logging.getLogger("forge_ckpt").setLevel(logging.INFO if args.trace else logging.CRITICAL)
     seeds = [args.seed] if args.seed is not None else range(args.first, args.first + args.seeds)
     start, failed = time.perf_counter(), 0
     for seed in seeds:
+        # A schedule never waits for real time: one that hangs is a deadlock of real
+        # threads (a lock held across a gate). Print where, with the seed, and stop.
+        faulthandler.dump_traceback_later(args.hang_s, exit=True)
+        print(f"seed {seed}", file=sys.stderr, flush=True) if args.verbose else None
         out = run_seed(seed)
+        faulthandler.cancel_dump_traceback_later()
         if args.trace:
             print("\n".join(out.trace))
         if out.violation is not None:

@@ -98,6 +98,7 @@ class SimThread:
         self.proc, self._fut = proc, fut
         self._g = greenlet.greenlet(lambda: fn(*args))
         self.done = False
+        self.in_op = False  # inside one storage operation (its inner calls are not gates)
 
     @classmethod
     def current(cls) -> SimThread | None:

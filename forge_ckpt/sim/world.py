@@ -167,10 +167,19 @@ def _gated(name: str, mutates: bool) -> Callable:
     base = getattr(LocalStorage, name)
 
     def method(self: SimFS, path: str = "", *args: Any, **kw: Any) -> Any:
+        th = SimThread.current()
+        if th is not None and th.in_op:  # one operation is one gate (replace holds a flock
+            return base(self, path, *args, **kw)  # across the read and publish it makes)
         outcome = self.world.gate(name, path, mutates)
         if outcome == "fail":
             raise OSError(errno.EIO, f"{path}: {name} failed (simulated)")
-        result = base(self, path, *args, **kw)
+        if th is not None:
+            th.in_op = True
+        try:
+            result = base(self, path, *args, **kw)
+        finally:
+            if th is not None:
+                th.in_op = False
         if outcome == "after":
             raise Crash(name)
         return result
