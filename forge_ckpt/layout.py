@@ -11,8 +11,12 @@ One checkpoint folder (a local path or an `s3://bucket/prefix`) holds:
         COMMIT                           the marker: created last; names the manifest's crc32c
     <folder>/quarantine/step-<N>.<time>/ a damaged committed step that `fallback` passed over
 
-A step exists (for load, listing and retention) only if COMMIT parses and the manifest's crc32c
-equals the one COMMIT records. This module is the only place that decides that.
+A step exists (for load, listing and retention) only if COMMIT parses, the manifest's crc32c
+equals the one COMMIT records, and the folder's lease records that COMMIT (its crc32c) for the
+step: a COMMIT that the lease does not record is a commit that never completed (its writer lost
+the lease, or stopped between the marker and the record) and counts for nobody. A folder whose
+lease has no record (no lease, or a lease of an earlier release) counts every COMMIT, as
+before. This module is the only place that decides that.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from __future__ import annotations
 import json
 import posixpath
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -192,13 +197,99 @@ def as_storage(folder: str | Storage) -> Storage:
     return folder if isinstance(folder, Storage) else open_storage(folder)
 
 
-def read_committed(folder: str | Storage, step: int, signer: Signer | None = None) -> Manifest:
-    """The manifest of a committed step; CheckpointCorruptError if it is not one (or, with a
-    signer that has keys, if its signature does not check out)."""
+def marker_id(marker: bytes | bytearray) -> str:
+    """What the lease records of a COMMIT: its crc32c (a re-save of the same step number writes
+    another manifest, so another marker: a stale record never vouches for it)."""
+    return crc32c_of_bytes(bytes(marker))
+
+
+def parse_record(lease: Mapping[str, Any]) -> dict[int, str] | None:
+    """The commit record of a parsed lease (step -> marker id); None if it has none."""
+    record = lease.get("committed")
+    if not isinstance(record, dict):
+        return None
+    try:
+        return {int(k): str(v) for k, v in record.items()}
+    except (TypeError, ValueError):
+        return None
+
+
+@dataclass(frozen=True)
+class Fence:
+    """Which COMMIT markers count, as the folder's lease recorded them when it was read.
+
+    `record`: step -> id of its COMMIT. None: the folder has no record (no lease, an unreadable
+    one, or one written by a release before the record existed): every COMMIT counts."""
+
+    record: Mapping[int, str] | None = None
+
+    def admits(self, step: int) -> bool:
+        """Whether a COMMIT of `step` can count at all (cheap: no read)."""
+        return self.record is None or step in self.record
+
+    def problem(self, step: int, marker: bytes | bytearray) -> str | None:
+        """Why this COMMIT of `step` does not make it committed (None: it does)."""
+        if self.record is None:
+            return None
+        want = self.record.get(step)
+        if want is None:
+            return (
+                "commit marker is not recorded in the folder's lease: a commit that never "
+                "completed (its writer lost the lease, or stopped before recording it), so "
+                "this step was never committed"
+            )
+        got = marker_id(marker)
+        if got != want:
+            return f"commit marker (crc32c {got}) differs from the one the lease recorded ({want})"
+        return None
+
+
+NOT_COMMITTED_HINT = (
+    "It cannot be loaded; the job that holds the folder removes it (or run `forge-ckpt gc`)."
+)
+
+
+def read_fence(folder: str | Storage) -> Fence:
+    """The folder's commit record, read from its lease now."""
+    try:
+        data = as_storage(folder).read(LEASE)
+    except FileNotFoundError:
+        return Fence()
+    try:
+        lease = json.loads(data)
+    except ValueError:
+        return Fence()
+    return Fence(parse_record(lease) if isinstance(lease, dict) else None)
+
+
+def record_of_markers(folder: str | Storage) -> dict[int, str]:
+    """A commit record of every step that has a COMMIT now: what a job taking over a folder
+    without a record (an earlier release's) accepts, since every COMMIT counted there."""
     store = as_storage(folder)
+    record = {}
+    for s in all_steps(store):
+        try:
+            record[s] = marker_id(store.read(f"{step_name(s)}/{MARKER}", 0, 4096))
+        except FileNotFoundError:
+            continue
+    return record
+
+
+def read_committed(
+    folder: str | Storage, step: int, signer: Signer | None = None, fence: Fence | None = None
+) -> Manifest:
+    """The manifest of a committed step; CheckpointCorruptError if it is not one (or, with a
+    signer that has keys, if its signature does not check out). `fence`: the folder's commit
+    record if the caller already read it (else it is read here, before the marker)."""
+    store = as_storage(folder)
+    fence = read_fence(store) if fence is None else fence
     marker_path, manifest_path = f"{step_name(step)}/{MARKER}", f"{step_name(step)}/{MANIFEST}"
     try:
         raw = store.read(marker_path, 0, 4096)
+        problem = fence.problem(step, raw)
+        if problem is not None:
+            hint = NOT_COMMITTED_HINT if not fence.admits(step) else None
+            raise CheckpointCorruptError(store.where(marker_path), problem, hint)
         marker = json.loads(raw)
         want_crc, want_step = str(marker["manifest_crc32c"]), int(marker["step"])
         signature = marker.get("signature")
@@ -248,29 +339,42 @@ def all_steps(folder: str | Storage) -> list[int]:
     return sorted(s for s in steps if s is not None)
 
 
-def marked_steps(folder: str | Storage) -> list[int]:
-    """Steps whose folder holds a COMMIT object, valid or not, ascending.
+def marked_steps(folder: str | Storage, fence: Fence | None = None) -> list[int]:
+    """Steps whose folder holds a COMMIT that the lease records, valid or not, ascending.
 
     A crash can never leave a partial COMMIT (it is created atomically), so a step with a
-    marker was committed once: if its marker or manifest no longer checks out, it is a damaged
-    committed step, kept for inspection and reported on load, never silently removed.
+    recorded marker was committed once: if its marker or manifest no longer checks out, it is a
+    damaged committed step, kept for inspection and reported on load, never silently removed.
+    A COMMIT the lease does not record is not a commit (see the module docstring).
     """
     store = as_storage(folder)
-    return [s for s in all_steps(store) if store.exists(f"{step_name(s)}/{MARKER}")]
+    fence = read_fence(store) if fence is None else fence
+    return [
+        s for s in all_steps(store) if fence.admits(s) and store.exists(f"{step_name(s)}/{MARKER}")
+    ]
 
 
-def is_committed(folder: str | Storage, step: int) -> bool:
+def is_marked(folder: str | Storage, step: int, fence: Fence | None = None) -> bool:
+    """`step` is one of `marked_steps` (one step, without listing the folder)."""
+    store = as_storage(folder)
+    fence = read_fence(store) if fence is None else fence
+    return fence.admits(step) and store.exists(f"{step_name(step)}/{MARKER}")
+
+
+def is_committed(folder: str | Storage, step: int, fence: Fence | None = None) -> bool:
     try:
-        read_committed(folder, step)
+        read_committed(folder, step, fence=fence)
         return True
     except CheckpointCorruptError:
         return False
 
 
-def committed_steps(folder: str | Storage) -> list[int]:
-    """The single definition of which steps exist: folders with a valid marker, ascending."""
+def committed_steps(folder: str | Storage, fence: Fence | None = None) -> list[int]:
+    """The single definition of which steps exist: folders with a valid marker that the
+    folder's lease records, ascending (the record is read once, before the markers)."""
     store = as_storage(folder)
-    return [s for s in all_steps(store) if is_committed(store, s)]
+    fence = read_fence(store) if fence is None else fence
+    return [s for s in all_steps(store) if fence.admits(s) and is_committed(store, s, fence)]
 
 
 def quarantined(folder: str | Storage) -> list[str]:
