@@ -23,6 +23,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from . import layout
 from .errors import CheckpointLockedError, CheckpointSaveError
@@ -68,7 +69,7 @@ def commit_step(
     (a storage without that lease: the memory tier) runs right before the marker and raises
     if this writer lost the folder to another.
     """
-    lease = _writer(store, f"commit step {manifest.step}")
+    lease = _writer(store, f"commit step {manifest.step}", fence)
     name = layout.step_name(manifest.step)
     for sub in (layout.ACTORS, layout.TRAINER, ""):
         store.sync_dir(f"{name}/{sub}" if sub else name)
@@ -91,17 +92,24 @@ def commit_step(
         ) from None
     store.sync_dir("")
     if lease is not None:
-        lease.record(manifest.step, marker)  # the commit point
+        lease.record(manifest.step, manifest.generation)  # the commit point
 
 
-def _writer(store: Storage, what: str) -> Lease | None:
-    """This process's lease on `store` (None: none); refuses if it was lost to another job."""
-    lease = lease_of(store)
-    if lease is not None and lease.lost is not None:
-        raise CheckpointLockedError(
-            f"cannot {what} in {store.url}: {lease.lost}. Whatever this job left there is "
-            "removed by the folder's holder"
-        )
+def _writer(store: Storage, what: str, fence: Any = None) -> Lease | None:
+    """The caller's lease on `store`: the one `fence` is a method of, else this process's
+    (None: none). Refuses if it was lost to another job (a holder that stalled past a third of
+    its TTL renews first, and so learns it)."""
+    lease = getattr(fence, "__self__", None)
+    if not isinstance(lease, Lease) or lease.store is not store:
+        lease = lease_of(store)
+    if lease is not None:
+        try:
+            lease.check()
+        except CheckpointLockedError as e:
+            raise CheckpointLockedError(
+                f"cannot {what} in {store.url}: {e}. Whatever this job left there is "
+                "removed by the folder's holder"
+            ) from None
     return lease
 
 

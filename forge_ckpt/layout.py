@@ -12,9 +12,10 @@ One checkpoint folder (a local path or an `s3://bucket/prefix`) holds:
     <folder>/quarantine/step-<N>.<time>/ a damaged committed step that `fallback` passed over
 
 A step exists (for load, listing and retention) only if COMMIT parses, the manifest's crc32c
-equals the one COMMIT records, and the folder's lease records that COMMIT (its crc32c) for the
-step: a COMMIT that the lease does not record is a commit that never completed (its writer lost
-the lease, or stopped between the marker and the record) and counts for nobody. A folder whose
+equals the one COMMIT records, and the folder's lease records the step as committed by the
+lease generation that COMMIT names: a COMMIT that the lease does not record is a commit that
+never completed (its writer lost the lease, or stopped between the marker and the record) and
+counts for nobody. A folder whose
 lease has no record (no lease, or a lease of an earlier release) counts every COMMIT, as
 before. This module is the only place that decides that.
 """
@@ -197,19 +198,24 @@ def as_storage(folder: str | Storage) -> Storage:
     return folder if isinstance(folder, Storage) else open_storage(folder)
 
 
-def marker_id(marker: bytes | bytearray) -> str:
-    """What the lease records of a COMMIT: its crc32c (a re-save of the same step number writes
-    another manifest, so another marker: a stale record never vouches for it)."""
-    return crc32c_of_bytes(bytes(marker))
+def marker_generation(marker: bytes | bytearray) -> int | None:
+    """The lease generation a COMMIT names (0: a version 1 marker); None if it does not parse
+    (a damaged marker: read_committed says so)."""
+    try:
+        d = json.loads(marker)
+        return int(d.get("generation", 0)) if isinstance(d, dict) else None
+    except (ValueError, TypeError):
+        return None
 
 
-def parse_record(lease: Mapping[str, Any]) -> dict[int, str] | None:
-    """The commit record of a parsed lease (step -> marker id); None if it has none."""
+def parse_record(lease: Mapping[str, Any]) -> dict[int, int | None] | None:
+    """The commit record of a parsed lease (step -> generation of its COMMIT, None: any);
+    None if the lease has none."""
     record = lease.get("committed")
     if not isinstance(record, dict):
         return None
     try:
-        return {int(k): str(v) for k, v in record.items()}
+        return {int(k): None if v is None else int(v) for k, v in record.items()}
     except (TypeError, ValueError):
         return None
 
@@ -218,30 +224,35 @@ def parse_record(lease: Mapping[str, Any]) -> dict[int, str] | None:
 class Fence:
     """Which COMMIT markers count, as the folder's lease recorded them when it was read.
 
-    `record`: step -> id of its COMMIT. None: the folder has no record (no lease, an unreadable
-    one, or one written by a release before the record existed): every COMMIT counts."""
+    `record`: step -> lease generation of the COMMIT that committed it (None: whichever is
+    there). None: the folder has no record (no lease, an unreadable one, or one written by a
+    release before the record existed): every COMMIT counts."""
 
-    record: Mapping[int, str] | None = None
+    record: Mapping[int, int | None] | None = None
 
     def admits(self, step: int) -> bool:
         """Whether a COMMIT of `step` can count at all (cheap: no read)."""
         return self.record is None or step in self.record
 
     def problem(self, step: int, marker: bytes | bytearray) -> str | None:
-        """Why this COMMIT of `step` does not make it committed (None: it does)."""
+        """Why this COMMIT of `step` does not make it committed (None: it does, or it is
+        damaged, which read_committed reports)."""
         if self.record is None:
             return None
-        want = self.record.get(step)
-        if want is None:
+        if step not in self.record:
             return (
                 "commit marker is not recorded in the folder's lease: a commit that never "
                 "completed (its writer lost the lease, or stopped before recording it), so "
                 "this step was never committed"
             )
-        got = marker_id(marker)
-        if got != want:
-            return f"commit marker (crc32c {got}) differs from the one the lease recorded ({want})"
-        return None
+        want, got = self.record[step], marker_generation(marker)
+        if want is None or got is None or got == want:
+            return None
+        return (
+            f"commit marker of lease generation {got}, but the lease recorded this step's "
+            f"commit by generation {want}: a late write of a writer that had lost the lease, "
+            "so it does not count"
+        )
 
 
 NOT_COMMITTED_HINT = (
@@ -262,14 +273,27 @@ def read_fence(folder: str | Storage) -> Fence:
     return Fence(parse_record(lease) if isinstance(lease, dict) else None)
 
 
-def record_of_markers(folder: str | Storage) -> dict[int, str]:
+def _counts(store: Storage, step: int, fence: Fence) -> bool:
+    """A COMMIT of `step` is there and the fence does not rule it out (it may be damaged)."""
+    if not fence.admits(step):
+        return False
+    path = f"{step_name(step)}/{MARKER}"
+    if fence.record is None:
+        return store.exists(path)
+    try:
+        return fence.problem(step, store.read(path, 0, 4096)) is None
+    except FileNotFoundError:
+        return False
+
+
+def record_of_markers(folder: str | Storage) -> dict[int, int | None]:
     """A commit record of every step that has a COMMIT now: what a job taking over a folder
     without a record (an earlier release's) accepts, since every COMMIT counted there."""
     store = as_storage(folder)
     record = {}
     for s in all_steps(store):
         try:
-            record[s] = marker_id(store.read(f"{step_name(s)}/{MARKER}", 0, 4096))
+            record[s] = marker_generation(store.read(f"{step_name(s)}/{MARKER}", 0, 4096))
         except FileNotFoundError:
             continue
     return record
@@ -288,8 +312,7 @@ def read_committed(
         raw = store.read(marker_path, 0, 4096)
         problem = fence.problem(step, raw)
         if problem is not None:
-            hint = NOT_COMMITTED_HINT if not fence.admits(step) else None
-            raise CheckpointCorruptError(store.where(marker_path), problem, hint)
+            raise CheckpointCorruptError(store.where(marker_path), problem, NOT_COMMITTED_HINT)
         marker = json.loads(raw)
         want_crc, want_step = str(marker["manifest_crc32c"]), int(marker["step"])
         signature = marker.get("signature")
@@ -340,25 +363,22 @@ def all_steps(folder: str | Storage) -> list[int]:
 
 
 def marked_steps(folder: str | Storage, fence: Fence | None = None) -> list[int]:
-    """Steps whose folder holds a COMMIT that the lease records, valid or not, ascending.
+    """Steps whose folder holds a COMMIT that the lease's record counts, valid or not, ascending.
 
     A crash can never leave a partial COMMIT (it is created atomically), so a step with a
-    recorded marker was committed once: if its marker or manifest no longer checks out, it is a
+    counted marker was committed once: if its marker or manifest no longer checks out, it is a
     damaged committed step, kept for inspection and reported on load, never silently removed.
-    A COMMIT the lease does not record is not a commit (see the module docstring).
+    A COMMIT the record rules out is no commit (see the module docstring): a leftover.
     """
     store = as_storage(folder)
     fence = read_fence(store) if fence is None else fence
-    return [
-        s for s in all_steps(store) if fence.admits(s) and store.exists(f"{step_name(s)}/{MARKER}")
-    ]
+    return [s for s in all_steps(store) if _counts(store, s, fence)]
 
 
 def is_marked(folder: str | Storage, step: int, fence: Fence | None = None) -> bool:
     """`step` is one of `marked_steps` (one step, without listing the folder)."""
     store = as_storage(folder)
-    fence = read_fence(store) if fence is None else fence
-    return fence.admits(step) and store.exists(f"{step_name(step)}/{MARKER}")
+    return _counts(store, step, read_fence(store) if fence is None else fence)
 
 
 def is_committed(folder: str | Storage, step: int, fence: Fence | None = None) -> bool:

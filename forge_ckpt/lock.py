@@ -4,7 +4,7 @@ commit record: the fence that keeps a writer that lost it from making a step vis
 
 The lease is one object, `<folder>/.forge_ckpt.lease`, holding the holder (host, pid, start
 time, boot id and pid namespace), an expiry, a generation number and the commit record
-(`committed`: step -> crc32c of that step's COMMIT marker).
+(`committed`: step -> lease generation of that step's COMMIT marker).
 
 Taking it: read the lease (content and version tag); if it is live, CheckpointLockedError.
 Else take over the previous record (or, if the lease has none: an earlier release's, or no
@@ -78,9 +78,11 @@ def _pid_ns() -> int | None:
 
 
 def lease_of(store: Storage) -> Lease | None:
-    """The lease this process took on exactly this storage object and did not release (held,
-    or lost to another job): the commit functions record and check through it."""
-    return next((lease for lease in list(_LEASES) if lease.store is store), None)
+    """The lease this process took on this storage object (open_storage caches one per folder)
+    and did not release: the held one, else one lost to another job. The commit functions
+    record and check through it."""
+    mine = [lease for lease in list(_LEASES) if lease.store is store]
+    return next((lease for lease in mine if lease.held), mine[0] if mine else None)
 
 
 class Lease:
@@ -98,7 +100,7 @@ class Lease:
         self.ttl_s = ttl_s
         self.clock = clock
         self.generation = 0
-        self.committed: dict[int, str] = {}  # the commit record: step -> COMMIT id
+        self.committed: dict[int, int | None] = {}  # the record: step -> its COMMIT's generation
         self._background = renew_in_background
         self._owner = uuid.uuid4().hex
         self._started = clock()
@@ -208,18 +210,18 @@ class Lease:
             if self.clock() - self._renewed >= self.ttl_s / 3:
                 self._write()
 
-    def record(self, step: int, marker: bytes) -> None:
-        """Record `step`'s COMMIT in the lease: the commit point. CheckpointLockedError if the
+    def record(self, step: int, generation: int) -> None:
+        """Record `step`'s COMMIT (of lease `generation`) in the lease: the commit point. CheckpointLockedError if the
         lease was lost: the step is then NOT committed (its COMMIT counts for no reader). On a
         storage error the outcome is unknown; it stays recorded here (the next renewal writes
         it), so a step that became visible does not vanish again."""
         with self._mutex:
-            previous = self.committed.get(step)
-            self.committed[step] = layout.marker_id(marker)
+            previous = self.committed.copy()
+            self.committed[step] = generation
             try:
                 self._write()
             except CheckpointLockedError as e:
-                _restore(self.committed, step, previous)
+                self.committed = previous
                 raise CheckpointLockedError(
                     f"step {step} is NOT committed: its COMMIT was written, but this job lost "
                     f"the lease before recording it ({e}); no reader counts that COMMIT and the "
@@ -303,13 +305,6 @@ class Lease:
                 except OSError as e:
                     log.warning("could not release the lease on %s: %s", self.store.url, e)
             self._tag = None
-
-
-def _restore(record: dict[int, str], step: int, previous: str | None) -> None:
-    if previous is None:
-        record.pop(step, None)
-    else:
-        record[step] = previous
 
 
 def _parse(data: bytes) -> dict[str, Any]:

@@ -24,7 +24,7 @@ from forge_ckpt.cli import app
 from forge_ckpt.commit import commit_step, prepare_step, remove_step, remove_uncommitted
 from forge_ckpt.errors import CheckpointCorruptError, CheckpointError, CheckpointLockedError
 from forge_ckpt.lock import Lease, _boot_id, _pid_ns
-from forge_ckpt.storage import PreconditionFailedError, Storage, open_storage
+from forge_ckpt.storage import PreconditionFailedError, Storage, crc32c_of_bytes, open_storage
 
 
 class Clock:
@@ -232,12 +232,36 @@ def test_release_hands_the_record_over_and_a_fenced_step_stays_fenced(tmp_path):
     committed_by(store, first, 1, "first")
     stray = write_step(store, first, 2, "stray")  # a COMMIT written, never recorded
     store.create("step-2/manifest.json", stray.to_bytes())
-    marker = layout.marker_bytes(2, layout.marker_id(stray.to_bytes()), first.generation)
+    marker = layout.marker_bytes(2, crc32c_of_bytes(stray.to_bytes()), first.generation)
     store.create("step-2/COMMIT", marker)
     first.release()
     second = start(open_storage(folder), clock)
     assert second.generation == first.generation + 1 and set(second.committed) == {1}
     assert layout.committed_steps(folder) == [1]
+    second.release()
+
+
+def test_a_late_commit_of_an_older_generation_under_a_recorded_step_does_not_count(tmp_path):
+    """The holder committed step 5 and removed it (its record is dropped lazily); an older
+    job's COMMIT of step 5 lands now: the record names another generation, so it is a leftover."""
+    clock, folder = Clock(), str(tmp_path)
+    store = open_storage(folder)
+    first = start(store, clock)
+    first.release()
+    second = start(store, clock)
+    committed_by(store, second, 5, "second")
+    remove_step(store, 5)
+    assert layout.read_fence(folder).record == {5: second.generation}  # not written yet
+    late = write_step(Wrapped(store), None, 5, "first")  # a writer without a lease
+    late.generation = first.generation
+    store.create("step-5/manifest.json", late.to_bytes())
+    marker = layout.marker_bytes(5, crc32c_of_bytes(late.to_bytes()), first.generation)
+    store.create("step-5/COMMIT", marker)
+    reader = open_storage(folder)
+    assert layout.committed_steps(reader) == layout.marked_steps(reader) == []
+    with pytest.raises(CheckpointCorruptError, match="late write of a writer that had lost"):
+        layout.read_committed(reader, 5)
+    assert remove_uncommitted(store) == [5]
     second.release()
 
 
