@@ -16,7 +16,9 @@ this machine and pid namespace (same boot id and pid namespace) that is gone.
 Committing (commit.commit_step): the manifest, then COMMIT, then the step goes into the record
 with a conditional replace (`record`): that write is the commit point. A holder that was
 taken over meanwhile fails it (its tag changed), learns that its step is NOT committed, and
-its COMMIT, recorded nowhere, counts for no reader (layout.Fence). Its successor took over the
+its COMMIT, recorded nowhere, counts for no reader (layout.Fence; the record names each
+step's generation, so an older job's COMMIT landing late under a recorded step number does not
+count either). Its successor took over the
 record as it was when it read the lease; a record write of the old holder after that read
 would have changed the tag and failed the successor's take-over. So every reader sees exactly
 the steps whose record write succeeded, and a successor can remove and save again any step
@@ -211,10 +213,10 @@ class Lease:
                 self._write()
 
     def record(self, step: int, generation: int) -> None:
-        """Record `step`'s COMMIT (of lease `generation`) in the lease: the commit point. CheckpointLockedError if the
-        lease was lost: the step is then NOT committed (its COMMIT counts for no reader). On a
-        storage error the outcome is unknown; it stays recorded here (the next renewal writes
-        it), so a step that became visible does not vanish again."""
+        """Record `step`'s COMMIT (of lease `generation`) in the lease: the commit point.
+        CheckpointLockedError if the lease was lost: the step is then NOT committed (its COMMIT
+        counts for no reader). On a storage error the outcome is unknown; it stays recorded
+        here (the next renewal writes it), so a step that became visible does not vanish."""
         with self._mutex:
             previous = self.committed.copy()
             self.committed[step] = generation
