@@ -3,9 +3,16 @@
 Save:   prepare_step (fresh empty step) -> components write their own files durably and report
         them (path, size, crc32c) -> commit_step: from those records alone (the driver never
         lists or stats what others wrote: on another node it may not even see their disk),
-        create the manifest, then create COMMIT last. Both are create-if-absent: on a POSIX
-        folder temp file + fsync + link + fsync(folder), on S3 `If-None-Match: *`. Of two
-        writers committing the same step exactly one wins; a crash before COMMIT leaves no step.
+        create the manifest, then create COMMIT, then record COMMIT in the folder's lease
+        (lock.Lease.record, a conditional replace): that record is the commit point. Manifest
+        and COMMIT are create-if-absent: on a POSIX folder temp file + fsync + link +
+        fsync(folder), on S3 `If-None-Match: *`. A crash before the record leaves no step.
+Fence:  a writer that lost the lease fails its record write, is told its step is NOT
+        committed, and its COMMIT counts for no reader (layout.Fence); the folder's holder
+        removes such a step as a leftover and may save that step number itself. Every function
+        here that changes a folder refuses (CheckpointLockedError) once this process's lease
+        on that storage object was lost. Without a lease (a folder opened by no Lease of this
+        process: tests, the memory tier) nothing is recorded and every COMMIT counts.
 Delete: COMMIT first (made durable), then the rest, so a half-deleted step is never loadable.
         Retention runs only after a newer step is committed and never removes the newest.
 """
@@ -16,9 +23,11 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from . import layout
-from .errors import CheckpointSaveError
+from .errors import CheckpointLockedError, CheckpointSaveError
+from .lock import Lease, lease_of
 from .signing import Signer
 from .storage import AlreadyExistsError, Storage, crc32c_of_bytes
 
@@ -31,15 +40,18 @@ def prepare_step(store: Storage, step: int) -> None:
     Components never create the step folder themselves: a component that outlives an aborted
     save cannot recreate a folder that was removed.
     """
+    lease = _writer(store, f"save step {step}")
     name = layout.step_name(step)
     if layout.all_steps(store).count(step):
-        if store.exists(f"{name}/{layout.MARKER}"):
+        if layout.is_marked(store, step):
             raise CheckpointSaveError(
                 f"step {step} is already committed at {store.where(name)}; save a different "
                 "step number"
             )
         log.warning("removing uncommitted leftover %s before saving step %d", name, step)
         remove_step(store, step)
+    if lease is not None:  # a removed step's record must not vouch for this save's COMMIT
+        lease.forget([step], write=True)
     store.makedirs(f"{name}/{layout.ACTORS}")
     store.makedirs(f"{name}/{layout.TRAINER}")
 
@@ -52,34 +64,81 @@ def commit_step(
 ) -> None:
     """Make a fully written step visible. Every component's files must already be durable.
 
-    `fence` runs right before the marker (the lease renewal): it raises if this writer lost
-    the folder to another, which then must not see a commit of ours appear.
+    With this process's lease on `store`, the step is committed when `Lease.record` wrote its
+    COMMIT into the lease; if the lease was lost, CheckpointLockedError says it is NOT. `fence`
+    (a storage without that lease: the memory tier) runs right before the marker and raises
+    if this writer lost the folder to another.
     """
+    lease = _writer(store, f"commit step {manifest.step}", fence)
     name = layout.step_name(manifest.step)
     for sub in (layout.ACTORS, layout.TRAINER, ""):
         store.sync_dir(f"{name}/{sub}" if sub else name)
     data = manifest.to_bytes()
     try:
-        store.create(f"{name}/{layout.MANIFEST}", data)
-        if fence is not None:
+        _create(store, f"{name}/{layout.MANIFEST}", data, lease)
+        if lease is not None:
+            lease.check()  # a holder that knows it was taken over writes no COMMIT
+        if fence is not None and (lease is None or fence != lease.renew):
             fence()
         signature = signer.sign(data) if signer is not None else None
         marker = layout.marker_bytes(
             manifest.step, crc32c_of_bytes(data), manifest.generation, signature
         )
-        store.create(f"{name}/{layout.MARKER}", marker)
+        _create(store, f"{name}/{layout.MARKER}", marker, lease)
     except AlreadyExistsError as e:
         raise CheckpointSaveError(
             f"step {manifest.step}: another writer is committing the same step ({e}); "
             "only one job may write a checkpoint folder"
         ) from None
     store.sync_dir("")
+    if lease is not None:
+        lease.record(manifest.step, manifest.generation)  # the commit point
+
+
+def _writer(store: Storage, what: str, fence: Any = None) -> Lease | None:
+    """The caller's lease on `store`: the one `fence` is a method of, else this process's
+    (None: none). Refuses if it was lost to another job (a holder that stalled past a third of
+    its TTL renews first, and so learns it)."""
+    lease = getattr(fence, "__self__", None)
+    if not isinstance(lease, Lease) or lease.store is not store:
+        lease = lease_of(store)
+    if lease is not None:
+        try:
+            lease.check()
+        except CheckpointLockedError as e:
+            raise CheckpointLockedError(
+                f"cannot {what} in {store.url}: {e}. Whatever this job left there is "
+                "removed by the folder's holder"
+            ) from None
+    return lease
+
+
+def _create(store: Storage, path: str, data: bytes, lease: Lease | None) -> None:
+    """Create-if-absent. Under our lease, an object already there that is not ours is a late
+    write of a writer that lost the lease (prepare_step emptied the step): replace it."""
+    try:
+        store.create(path, data)
+        return
+    except AlreadyExistsError:
+        if lease is None:
+            raise
+    try:
+        if bytes(store.read(path)) == data:
+            return  # our own create, applied although its reply was lost
+    except FileNotFoundError:
+        pass
+    log.warning("removing %s: a late write of a writer that lost the lease", store.where(path))
+    store.delete(path)
+    store.create(path, data)
 
 
 def remove_step(store: Storage, step: int) -> None:
     """Remove a step, marker first, so that it is never seen half-deleted."""
+    lease = _writer(store, f"remove step {step}")
     name = layout.step_name(step)
     store.delete(f"{name}/{layout.MARKER}")  # durable before anything else goes
+    if lease is not None:
+        lease.forget([step])
     store.delete_prefix(name)
 
 
@@ -96,11 +155,14 @@ def remove_if_uncommitted(store: Storage, step: int) -> bool:
 def quarantine_step(store: Storage, step: int) -> str:
     """Move a damaged committed step aside (kept for inspection, reported by `forge-ckpt
     list`), so that the same step number can be committed again."""
+    lease = _writer(store, f"quarantine step {step}")
     dest = f"{layout.QUARANTINE}/{layout.step_name(step)}.{int(time.time())}"
     store.makedirs(layout.QUARANTINE)
     store.move_prefix(
         layout.step_name(step), dest, first=f"{layout.step_name(step)}/{layout.MARKER}"
     )
+    if lease is not None:
+        lease.forget([step])
     log.warning("moved damaged step %d to %s", step, store.where(dest))
     return dest
 
@@ -144,11 +206,16 @@ def retire_after(store: Storage, step: int) -> list[int]:
 
 
 def remove_uncommitted(store: Storage) -> list[int]:
-    """Remove leftovers of crashed saves (steps without a COMMIT, temp files, unfinished
-    multipart uploads). Call only while holding the folder's lease. Committed steps whose
-    marker or manifest is damaged stay: load() and `forge-ckpt verify` report them."""
+    """Remove leftovers of crashed saves and of writers that lost the lease (steps without a
+    COMMIT the lease records, temp files, unfinished multipart uploads). Call only while
+    holding the folder's lease. Committed steps whose marker or manifest is damaged stay:
+    load() and `forge-ckpt verify` report them."""
+    lease = _writer(store, "remove leftovers")
     marked = set(layout.marked_steps(store))
-    leftovers = [s for s in layout.all_steps(store) if s not in marked]
+    present = layout.all_steps(store)
+    leftovers = [s for s in present if s not in marked]
+    if lease is not None:  # records of steps that are gone: keeps the lease small
+        lease.forget([s for s in lease.committed if s not in present])
     for step in leftovers:
         try:
             remove_step(store, step)

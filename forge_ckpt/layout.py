@@ -11,8 +11,13 @@ One checkpoint folder (a local path or an `s3://bucket/prefix`) holds:
         COMMIT                           the marker: created last; names the manifest's crc32c
     <folder>/quarantine/step-<N>.<time>/ a damaged committed step that `fallback` passed over
 
-A step exists (for load, listing and retention) only if COMMIT parses and the manifest's crc32c
-equals the one COMMIT records. This module is the only place that decides that.
+A step exists (for load, listing and retention) only if COMMIT parses, the manifest's crc32c
+equals the one COMMIT records, and the folder's lease records the step as committed by the
+lease generation that COMMIT names: a COMMIT that the lease does not record is a commit that
+never completed (its writer lost the lease, or stopped between the marker and the record) and
+counts for nobody. A folder whose
+lease has no record (no lease, or a lease of an earlier release) counts every COMMIT, as
+before. This module is the only place that decides that.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from __future__ import annotations
 import json
 import posixpath
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -197,13 +203,121 @@ def as_storage(folder: str | Storage) -> Storage:
     return folder if isinstance(folder, Storage) else open_storage(folder)
 
 
-def read_committed(folder: str | Storage, step: int, signer: Signer | None = None) -> Manifest:
-    """The manifest of a committed step; CheckpointCorruptError if it is not one (or, with a
-    signer that has keys, if its signature does not check out)."""
+def marker_generation(marker: bytes | bytearray) -> int | None:
+    """The lease generation a COMMIT names (0: a version 1 marker); None if it does not parse
+    (a damaged marker: read_committed says so)."""
+    try:
+        d = json.loads(marker)
+        return int(d.get("generation", 0)) if isinstance(d, dict) else None
+    except (ValueError, TypeError):
+        return None
+
+
+def parse_record(lease: Mapping[str, Any]) -> dict[int, int | None] | None:
+    """The commit record of a parsed lease (step -> generation of its COMMIT, None: any);
+    None if the lease has none."""
+    record = lease.get("committed")
+    if not isinstance(record, dict):
+        return None
+    try:
+        return {int(k): None if v is None else int(v) for k, v in record.items()}
+    except (TypeError, ValueError):
+        return None
+
+
+@dataclass(frozen=True)
+class Fence:
+    """Which COMMIT markers count, as the folder's lease recorded them when it was read.
+
+    `record`: step -> lease generation of the COMMIT that committed it (None: whichever is
+    there). None: the folder has no record (no lease, an unreadable one, or one written by a
+    release before the record existed): every COMMIT counts."""
+
+    record: Mapping[int, int | None] | None = None
+
+    def admits(self, step: int) -> bool:
+        """Whether a COMMIT of `step` can count at all (cheap: no read)."""
+        return self.record is None or step in self.record
+
+    def problem(self, step: int, marker: bytes | bytearray) -> str | None:
+        """Why this COMMIT of `step` does not make it committed (None: it does, or it is
+        damaged, which read_committed reports)."""
+        if self.record is None:
+            return None
+        if step not in self.record:
+            return (
+                "commit marker is not recorded in the folder's lease: a commit that never "
+                "completed (its writer lost the lease, or stopped before recording it), so "
+                "this step was never committed"
+            )
+        want, got = self.record[step], marker_generation(marker)
+        if want is None or got is None or got == want:
+            return None
+        return (
+            f"commit marker of lease generation {got}, but the lease recorded this step's "
+            f"commit by generation {want}: a late write of a writer that had lost the lease, "
+            "so it does not count"
+        )
+
+
+NOT_COMMITTED_HINT = (
+    "It cannot be loaded; the job that holds the folder removes it (or run `forge-ckpt gc`)."
+)
+
+
+def read_fence(folder: str | Storage) -> Fence:
+    """The folder's commit record, read from its lease now."""
+    try:
+        data = as_storage(folder).read(LEASE)
+    except FileNotFoundError:
+        return Fence()
+    try:
+        lease = json.loads(data)
+    except ValueError:
+        return Fence()
+    return Fence(parse_record(lease) if isinstance(lease, dict) else None)
+
+
+def _counts(store: Storage, step: int, fence: Fence) -> bool:
+    """A COMMIT of `step` is there and the fence does not rule it out (it may be damaged)."""
+    if not fence.admits(step):
+        return False
+    path = f"{step_name(step)}/{MARKER}"
+    if fence.record is None:
+        return store.exists(path)
+    try:
+        return fence.problem(step, store.read(path, 0, 4096)) is None
+    except FileNotFoundError:
+        return False
+
+
+def record_of_markers(folder: str | Storage) -> dict[int, int | None]:
+    """A commit record of every step that has a COMMIT now: what a job taking over a folder
+    without a record (an earlier release's) accepts, since every COMMIT counted there."""
     store = as_storage(folder)
+    record = {}
+    for s in all_steps(store):
+        try:
+            record[s] = marker_generation(store.read(f"{step_name(s)}/{MARKER}", 0, 4096))
+        except FileNotFoundError:
+            continue
+    return record
+
+
+def read_committed(
+    folder: str | Storage, step: int, signer: Signer | None = None, fence: Fence | None = None
+) -> Manifest:
+    """The manifest of a committed step; CheckpointCorruptError if it is not one (or, with a
+    signer that has keys, if its signature does not check out). `fence`: the folder's commit
+    record if the caller already read it (else it is read here, before the marker)."""
+    store = as_storage(folder)
+    fence = read_fence(store) if fence is None else fence
     marker_path, manifest_path = f"{step_name(step)}/{MARKER}", f"{step_name(step)}/{MANIFEST}"
     try:
         raw = store.read(marker_path, 0, 4096)
+        problem = fence.problem(step, raw)
+        if problem is not None:
+            raise CheckpointCorruptError(store.where(marker_path), problem, NOT_COMMITTED_HINT)
         marker = json.loads(raw)
         want_crc, want_step = str(marker["manifest_crc32c"]), int(marker["step"])
         signature = marker.get("signature")
@@ -266,29 +380,39 @@ def all_steps(folder: str | Storage) -> list[int]:
     return sorted(s for s in steps if s is not None)
 
 
-def marked_steps(folder: str | Storage) -> list[int]:
-    """Steps whose folder holds a COMMIT object, valid or not, ascending.
+def marked_steps(folder: str | Storage, fence: Fence | None = None) -> list[int]:
+    """Steps whose folder holds a COMMIT that the lease's record counts, valid or not, ascending.
 
     A crash can never leave a partial COMMIT (it is created atomically), so a step with a
-    marker was committed once: if its marker or manifest no longer checks out, it is a damaged
-    committed step, kept for inspection and reported on load, never silently removed.
+    counted marker was committed once: if its marker or manifest no longer checks out, it is a
+    damaged committed step, kept for inspection and reported on load, never silently removed.
+    A COMMIT the record rules out is no commit (see the module docstring): a leftover.
     """
     store = as_storage(folder)
-    return [s for s in all_steps(store) if store.exists(f"{step_name(s)}/{MARKER}")]
+    fence = read_fence(store) if fence is None else fence
+    return [s for s in all_steps(store) if _counts(store, s, fence)]
 
 
-def is_committed(folder: str | Storage, step: int) -> bool:
+def is_marked(folder: str | Storage, step: int, fence: Fence | None = None) -> bool:
+    """`step` is one of `marked_steps` (one step, without listing the folder)."""
+    store = as_storage(folder)
+    return _counts(store, step, read_fence(store) if fence is None else fence)
+
+
+def is_committed(folder: str | Storage, step: int, fence: Fence | None = None) -> bool:
     try:
-        read_committed(folder, step)
+        read_committed(folder, step, fence=fence)
         return True
     except CheckpointCorruptError:
         return False
 
 
-def committed_steps(folder: str | Storage) -> list[int]:
-    """The single definition of which steps exist: folders with a valid marker, ascending."""
+def committed_steps(folder: str | Storage, fence: Fence | None = None) -> list[int]:
+    """The single definition of which steps exist: folders with a valid marker that the
+    folder's lease records, ascending (the record is read once, before the markers)."""
     store = as_storage(folder)
-    return [s for s in all_steps(store) if is_committed(store, s)]
+    fence = read_fence(store) if fence is None else fence
+    return [s for s in all_steps(store) if fence.admits(s) and is_committed(store, s, fence)]
 
 
 def quarantined(folder: str | Storage) -> list[str]:

@@ -1,14 +1,34 @@
 """One writer per checkpoint folder: a lease, because flock means nothing between machines,
-is unreliable on NFS and does not exist on object stores.
+is unreliable on NFS and does not exist on object stores. The lease is also the folder's
+commit record: the fence that keeps a writer that lost it from making a step visible.
 
 The lease is one object, `<folder>/.forge_ckpt.lease`, holding the holder (host, pid, start
-time), an expiry and a generation number. It is taken with a create-if-absent, or, once the
-previous holder's lease expired (or it released it, or it was a process on this host that is
-gone), with a replace-if-unchanged: of two jobs racing for it exactly one wins. The holder
-renews it from a thread every `ttl/3` seconds with the same conditional replace, so a holder
-that was taken over notices on its next renewal. The generation goes into every manifest it
-commits (a fencing token), and the commit renews the lease right before writing the marker: a
-holder that stalled past its expiry and was taken over cannot commit over its successor.
+time, boot id and pid namespace), an expiry, a generation number and the commit record
+(`committed`: step -> lease generation of that step's COMMIT marker).
+
+Taking it: read the lease (content and version tag); if it is live, CheckpointLockedError.
+Else take over the previous record (or, if the lease has none: an earlier release's, or no
+lease, record every COMMIT present now, read after the lease), then write generation + 1
+with a create-if-absent or a replace-if-unchanged (that tag): of two jobs racing exactly one
+wins. A lease is live until its expiry, unless it was released, or its holder is a process of
+this machine and pid namespace (same boot id and pid namespace) that is gone.
+
+Committing (commit.commit_step): the manifest, then COMMIT, then the step goes into the record
+with a conditional replace (`record`): that write is the commit point. A holder that was
+taken over meanwhile fails it (its tag changed), learns that its step is NOT committed, and
+its COMMIT, recorded nowhere, counts for no reader (layout.Fence; the record names each
+step's generation, so an older job's COMMIT landing late under a recorded step number does not
+count either). Its successor took over the
+record as it was when it read the lease; a record write of the old holder after that read
+would have changed the tag and failed the successor's take-over. So every reader sees exactly
+the steps whose record write succeeded, and a successor can remove and save again any step
+number whose COMMIT is not recorded.
+
+Keeping it: renewed every `ttl/3` from a thread (or by the caller: renew_in_background=False)
+with the same conditional replace. A replace that the storage applied but whose reply was lost
+reads as "precondition failed" on the retry: the lease then reads its own content back, and if
+it is what this lease wrote, keeps going. Releasing marks it released, keeping generation and
+record, so the next job takes it at once.
 """
 
 from __future__ import annotations
@@ -20,15 +40,17 @@ import socket
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Callable
 from typing import Any
 
+from . import layout
 from .errors import CheckpointLockedError
 from .layout import LEASE
 from .storage import AlreadyExistsError, PreconditionFailedError, Storage
 
 log = logging.getLogger("forge_ckpt")
-_HELD: set[str] = set()  # owners of the leases this process holds right now
+_LEASES: weakref.WeakSet[Lease] = weakref.WeakSet()  # acquired by this process, not released
 
 
 def _proc_start(pid: int) -> str | None:
@@ -38,6 +60,31 @@ def _proc_start(pid: int) -> str | None:
             return f.read().rsplit(")", 1)[1].split()[19]
     except (OSError, IndexError):
         return None
+
+
+def _boot_id() -> str | None:
+    """This machine's boot (a pid of this machine means nothing on another or after a reboot)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
+
+
+def _pid_ns() -> int | None:
+    """This process's pid namespace: containers sharing a hostname still have their own."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return None
+
+
+def lease_of(store: Storage) -> Lease | None:
+    """The lease this process took on this storage object (open_storage caches one per folder)
+    and did not release: the held one, else one lost to another job. The commit functions
+    record and check through it."""
+    mine = [lease for lease in list(_LEASES) if lease.store is store]
+    return next((lease for lease in mine if lease.held), mine[0] if mine else None)
 
 
 class Lease:
@@ -50,18 +97,23 @@ class Lease:
         renew_in_background: bool = True,
         identity: dict[str, Any] | None = None,
     ) -> None:
-        """`clock`: wall-clock seconds for every expiry decision; `renew_in_background=False`
-        starts no renewal thread (the caller renews, as the simulation does); `identity`
-        overrides this machine's host/pid in the lease (the simulation's processes)."""
+        """`clock` decides every expiry (a simulation passes its own); without
+        `renew_in_background` no thread is started and the caller renews; `identity`
+        stands for this machine's host, pid, boot and pid namespace in the lease (the
+        simulation's processes each have their own)."""
         self.store = store
         self.ttl_s = ttl_s
+        self.clock = clock
         self.generation = 0
-        self._clock = clock
+        self.committed: dict[int, int | None] = {}  # the record: step -> its COMMIT's generation
         self._background = renew_in_background
         self._identity = identity
         self._owner = uuid.uuid4().hex
         self._started = clock()
         self._tag: str | None = None
+        self._renewed = 0.0  # clock() of the last successful write
+        self._unsure: bytes | None = None  # a write whose outcome is unknown (storage error)
+        self._written: set[int] = set()  # steps the lease object may record now
         self._lost: str | None = None
         self._mutex = threading.Lock()
         self._stop = threading.Event()
@@ -71,18 +123,32 @@ class Lease:
     def held(self) -> bool:
         return self._tag is not None and self._lost is None
 
+    @property
+    def lost(self) -> str | None:
+        """Why this lease was lost to another job (None: it was not)."""
+        return self._lost
+
     def _content(self, generation: int, expires: float, released: bool = False) -> bytes:
         pid = os.getpid()
-        me = {"host": socket.gethostname(), "pid": pid, "pid_start": _proc_start(pid)}
         return json.dumps(
             {
                 "owner": self._owner,
-                **(self._identity or me),
+                **(
+                    self._identity
+                    or {
+                        "host": socket.gethostname(),
+                        "pid": pid,
+                        "pid_start": _proc_start(pid),
+                        "boot_id": _boot_id(),
+                        "pid_ns": _pid_ns(),
+                    }
+                ),
                 "started": self._started,
-                "renewed": self._clock(),
+                "renewed": self.clock(),
                 "expires": expires,
                 "generation": generation,
                 "released": released,
+                "committed": {str(s): c for s, c in sorted(self.committed.items())},
             }
         ).encode()
 
@@ -90,26 +156,30 @@ class Lease:
         """Take the lease or raise CheckpointLockedError naming its live holder."""
         for _ in range(3):
             current = self.store.read_tagged(LEASE)
+            holder = _parse(current[0]) if current is not None else {}
+            if current is not None and _is_live(holder, self.clock()):
+                raise CheckpointLockedError(
+                    f"checkpoint folder {self.store.url} is in use by {_describe(holder)}; "
+                    "stop that job or use another folder (if it is dead, its lease "
+                    "expires at the time shown)"
+                )
+            gen = _generation(holder) + 1
+            record = layout.parse_record(holder)  # listed after the read: see the docstring
+            self.committed = layout.record_of_markers(self.store) if record is None else record
+            data = self._content(gen, self._expiry())
             try:
                 if current is None:
-                    self._tag = self.store.create(LEASE, self._content(1, self._expiry()))
-                    self.generation = 1
+                    tag = self.store.create(LEASE, data)
                 else:
-                    holder = _parse(current[0])
-                    if _is_live(holder, self._clock()):
-                        raise CheckpointLockedError(
-                            f"checkpoint folder {self.store.url} is in use by {_describe(holder)}; "
-                            "stop that job or use another folder (if it is dead, its lease "
-                            "expires at the time shown)"
-                        )
-                    gen = int(holder.get("generation", 0)) + 1
-                    self._tag = self.store.replace(
-                        LEASE, self._content(gen, self._expiry()), current[1]
-                    )
-                    self.generation = gen
+                    tag = self.store.replace(LEASE, data, current[1])
             except (AlreadyExistsError, PreconditionFailedError):
-                continue  # another job moved first: look again
-            _HELD.add(self._owner)
+                mine = self._own_write(data)  # applied, but its reply was lost
+                if mine is None:
+                    continue  # another job moved first: look again
+                tag = mine
+            self._tag, self.generation, self._renewed = tag, gen, self.clock()
+            self._lost, self._written = None, set(self.committed)
+            _LEASES.add(self)
             self._start_renewals()
             return
         raise CheckpointLockedError(
@@ -117,10 +187,9 @@ class Lease:
         )
 
     def _expiry(self) -> float:
-        return self._clock() + self.ttl_s
+        return self.clock() + self.ttl_s
 
     def _start_renewals(self) -> None:
-        self._lost = None
         self._stop.clear()
         if not self._background:
             return
@@ -140,40 +209,111 @@ class Lease:
                 log.warning("could not renew the lease on %s: %s", self.store.url, e)
 
     def renew(self) -> None:
-        """Extend the lease (conditional on nobody having taken it over); the commit calls
-        this right before its marker, so a stale holder fails here instead of committing."""
+        """Extend the lease (conditional on nobody having taken it over)."""
         with self._mutex:
-            if self._lost is not None:
-                raise CheckpointLockedError(self._lost)
-            if self._tag is None:
-                raise CheckpointLockedError(f"{self.store.url}: the lease is not held")
+            self._write()
+
+    def check(self) -> None:
+        """Raise CheckpointLockedError if the lease is known lost; renew it if its last
+        renewal is older than `ttl/3` (a holder that stalled learns now that it was taken over)."""
+        with self._mutex:
+            self._check_held()
+            if self.clock() - self._renewed >= self.ttl_s / 3:
+                self._write()
+
+    def record(self, step: int, generation: int) -> None:
+        """Record `step`'s COMMIT (of lease `generation`) in the lease: the commit point.
+        CheckpointLockedError if the lease was lost: the step is then NOT committed (its COMMIT
+        counts for no reader). On a storage error the outcome is unknown; it stays recorded
+        here (the next renewal writes it), so a step that became visible does not vanish."""
+        with self._mutex:
+            previous = self.committed.copy()
+            self.committed[step] = generation
             try:
-                self._tag = self.store.replace(
-                    LEASE, self._content(self.generation, self._expiry()), self._tag
-                )
-            except PreconditionFailedError:
-                current = self.store.read_tagged(LEASE)
-                who = _describe(_parse(current[0])) if current else "nobody (it was deleted)"
-                self._lost = (
-                    f"lost the lease on {self.store.url} (generation {self.generation}): it was "
-                    f"taken over by {who}; this job must stop writing the folder"
-                )
+                self._write()
+            except CheckpointLockedError as e:
+                self.committed = previous
+                raise CheckpointLockedError(
+                    f"step {step} is NOT committed: its COMMIT was written, but this job lost "
+                    f"the lease before recording it ({e}); no reader counts that COMMIT and the "
+                    "folder's holder removes it"
+                ) from None
+
+    def forget(self, steps: list[int], write: bool = False) -> None:
+        """Drop removed steps from the record: written with the next renewal, or now with
+        `write` if the lease object may still record one of them."""
+        with self._mutex:
+            for s in steps:
+                self.committed.pop(s, None)
+            if write and self._written.intersection(steps):
+                self._write()
+
+    def _check_held(self) -> None:
+        if self._lost is not None:
+            raise CheckpointLockedError(self._lost)
+        if self._tag is None:
+            raise CheckpointLockedError(f"{self.store.url}: the lease is not held")
+
+    def _write(self) -> None:
+        """Replace the lease with this holder's current content (mutex held)."""
+        self._check_held()
+        data = self._content(self.generation, self._expiry())
+        try:
+            tag = self.store.replace(LEASE, data, self._tag)  # type: ignore[arg-type]
+        except PreconditionFailedError:
+            mine = self._own_write(data)
+            if mine is None:
+                self._lose()
                 raise CheckpointLockedError(self._lost) from None
+            tag = mine
+        except OSError:
+            self._unsure = data
+            self._written |= set(self.committed)
+            raise
+        self._tag, self._unsure, self._renewed = tag, None, self.clock()
+        self._written = set(self.committed)
+
+    def _own_write(self, data: bytes) -> str | None:
+        """After "precondition failed": the lease's tag if it holds `data` (our write applied,
+        its reply lost) or rewritten over an earlier write of ours whose outcome was unknown."""
+        current = self.store.read_tagged(LEASE)
+        if current is None:
+            return None
+        if current[0] == data:
+            return current[1]
+        if self._unsure is not None and current[0] == self._unsure:
+            try:
+                return self.store.replace(LEASE, data, current[1])
+            except PreconditionFailedError:
+                return None
+        return None
+
+    def _lose(self) -> None:
+        current = self.store.read_tagged(LEASE)
+        who = _describe(_parse(current[0])) if current else "nobody (it was deleted)"
+        self._lost = (
+            f"lost the lease on {self.store.url} (generation {self.generation}): it was "
+            f"taken over by {who}; this job must stop writing the folder"
+        )
 
     def release(self) -> None:
-        """Mark the lease released (the next job takes it at once); keeps the generation.
-        If that write fails (a read-only disk), this process still knows the lease is free."""
-        _HELD.discard(self._owner)
+        """Mark the lease released (the next job takes it at once); keeps the generation and
+        the record. If that write fails (a read-only disk), this process still knows the lease
+        is free."""
+        _LEASES.discard(self)
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=5)
         self._thread = None
         with self._mutex:
             if self._tag is not None and self._lost is None:
+                data = self._content(self.generation, self.clock(), released=True)
                 try:
-                    data = self._content(self.generation, self._clock(), released=True)
                     self.store.replace(LEASE, data, self._tag)
-                except (PreconditionFailedError, OSError) as e:
+                except PreconditionFailedError as e:
+                    if self._own_write(data) is None:
+                        log.warning("could not release the lease on %s: %s", self.store.url, e)
+                except OSError as e:
                     log.warning("could not release the lease on %s: %s", self.store.url, e)
             self._tag = None
 
@@ -186,17 +326,41 @@ def _parse(data: bytes) -> dict[str, Any]:
         return {}  # unreadable: treated as expired
 
 
+def _generation(holder: dict[str, Any]) -> int:
+    try:
+        return int(holder.get("generation", 0))
+    except (TypeError, ValueError):
+        return 0
+
+
+def _same_process_table(holder: dict[str, Any]) -> bool:
+    """The holder's pid means a process we can see: same machine boot, same pid namespace."""
+    boot, ns = _boot_id(), _pid_ns()
+    return (
+        boot is not None
+        and ns is not None
+        and holder.get("boot_id") == boot
+        and holder.get("pid_ns") == ns
+        and holder.get("pid_start") is not None
+    )
+
+
 def _is_live(holder: dict[str, Any], now: float) -> bool:
-    if not holder or holder.get("released") or float(holder.get("expires", 0)) < now:
+    try:
+        expires = float(holder.get("expires", 0))
+    except (TypeError, ValueError):
         return False
-    if holder.get("host") == socket.gethostname() and holder.get("pid_start") is not None:
+    if not holder or holder.get("released") or expires < now:
+        return False
+    if _same_process_table(holder):
         pid = int(holder["pid"])
         if pid == os.getpid() and holder.get("pid_start") == _proc_start(pid):
-            return holder.get("owner") in _HELD  # this process knows which of its leases live
-        # A holder on this machine whose process is gone (or whose pid was reused) is dead
-        # now, not at its expiry: a restarted job takes over at once.
+            # this process knows which of its leases live
+            return any(lease._owner == holder.get("owner") and lease.held for lease in _LEASES)
+        # A holder of this machine and pid namespace whose process is gone (or whose pid was
+        # reused) is dead now, not at its expiry: a restarted job takes over at once.
         return _proc_start(pid) == holder["pid_start"]
-    return True
+    return True  # another machine or container: only its expiry tells
 
 
 def _describe(holder: dict[str, Any]) -> str:

@@ -31,6 +31,7 @@ def die() -> None:
 def install(phase: str) -> None:
     real_begin, real_status = comp_mod.RemoteUnit.begin, comp_mod.RemoteUnit.status
     real_create, real_delete_prefix = LocalStorage.create, LocalStorage.delete_prefix
+    real_replace = LocalStorage.replace
     seen_files: list[str] = []
 
     async def begin(self, step_dir, background, defer=False):
@@ -58,6 +59,12 @@ def install(phase: str) -> None:
             die()
         return tag
 
+    def replace(self, path, data, tag):  # the lease write that records step 2: the commit point
+        tag = real_replace(self, path, data, tag)
+        if phase == "after_record" and "2" in json.loads(data).get("committed", {}):
+            die()
+        return tag
+
     def delete_prefix(self, prefix):  # retention: the marker of the old step is already gone
         if phase == "during_retention" and prefix == "step-1":
             die()
@@ -65,6 +72,7 @@ def install(phase: str) -> None:
 
     comp_mod.RemoteUnit.begin, comp_mod.RemoteUnit.status = begin, status
     LocalStorage.create, LocalStorage.delete_prefix = create, delete_prefix
+    LocalStorage.replace = replace
 
 
 async def main(folder: str, phase: str, ranks: int) -> None:

@@ -29,7 +29,8 @@ PHASES = {
     "after_trainer_write": ([1], 1),
     "after_first_actor_file": ([1], 1),
     "before_marker": ([1], 1),
-    "after_marker": ([1, 2], 2),  # killed before retention: step 1 goes at the next save
+    "after_marker": ([1], 1),  # COMMIT written, not yet recorded in the lease: a leftover
+    "after_record": ([1, 2], 2),  # killed before retention: step 1 goes at the next save
     "during_retention": ([2], 2),  # step 1 lost its marker first: a leftover, removed
 }
 

@@ -151,6 +151,7 @@ def rewrite_manifest(folder: str, step: int, **changes) -> bytes:
     (step_path / layout.MANIFEST).write_bytes(data)
     marker = {"step": step, "manifest_crc32c": crc32c_of_bytes(data)}
     (step_path / layout.MARKER).write_bytes(json.dumps(marker).encode())
+    (Path(folder) / layout.LEASE).unlink(missing_ok=True)  # its lease had no commit record
     return data
 
 

@@ -8,7 +8,6 @@ import os
 import subprocess
 import sys
 import threading
-import time
 
 import pytest
 
@@ -214,17 +213,20 @@ def test_lease_refuses_second_holder_and_release_hands_over(store):
     b.release()
 
 
-def test_expired_lease_is_taken_over_and_the_stale_holder_cannot_renew(store, monkeypatch):
-    a = Lease(store, ttl_s=0.5)
+def test_expired_lease_is_taken_over_and_the_stale_holder_cannot_renew(store):
+    now = [1_000_000.0]
+    a = Lease(store, ttl_s=60, clock=lambda: now[0], renew_in_background=False)
     a.acquire()
-    a._stop.set()  # a stalled holder: no renewals
-    monkeypatch.setattr("forge_ckpt.lock._proc_start", lambda pid: "not-the-same")
-    time.sleep(0.7)
-    b = Lease(store, ttl_s=30)
+    b = Lease(store, ttl_s=60, clock=lambda: now[0], renew_in_background=False)
+    with pytest.raises(CheckpointLockedError, match="in use by"):
+        b.acquire()
+    now[0] += 61  # a stalled holder: no renewals past its expiry
     b.acquire()
     assert b.generation == a.generation + 1
     with pytest.raises(CheckpointLockedError, match="lost the lease"):
-        a.renew()  # the fencing check the commit makes before its marker
+        a.renew()
+    with pytest.raises(CheckpointLockedError, match="lost the lease"):
+        a.check()  # what the commit asks before its marker
     b.release()
 
 

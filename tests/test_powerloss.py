@@ -4,8 +4,8 @@ A 1-rank trainer and two Checkpointable actors save steps 1 and 2 into a folder 
 FUSE mount, which logs every filesystem operation of every process. Then, for every op from the
 start of step 2's save to the end of the log, the power is "cut" right after it: the durable
 state the strict POSIX model leaves is written to a real folder and a fresh coordinator loads
-it. It must load step 1 or 2 exactly as saved, and step 2 once step 2's COMMIT was durable or
-`save()` returned. With the library's directory or file fsyncs skipped (FORGE_CKPT_FAULT), the
+it. It must load step 1 or 2 exactly as saved, and step 2 once step 2's commit point was
+durable (its COMMIT and the lease recording it) or `save()` returned. With the library's directory or file fsyncs skipped (FORGE_CKPT_FAULT), the
 same harness must report losses: that is the proof it would catch a missing fsync.
 """
 
@@ -26,7 +26,13 @@ import numpy as np
 import pytest
 import torch
 
-from forge_ckpt import Checkpointable, CheckpointConfig, CheckpointCoordinator, spawn_trainer_ranks
+from forge_ckpt import (
+    Checkpointable,
+    CheckpointConfig,
+    CheckpointCoordinator,
+    layout,
+    spawn_trainer_ranks,
+)
 
 sys.path.insert(0, os.path.dirname(__file__))
 import _trainer_model  # noqa: E402
@@ -34,6 +40,7 @@ from powerfs.fuse import fuse_unavailable, start_or_skip  # noqa: E402
 from powerfs.model import DurableTree, Op, durable_states, replay  # noqa: E402
 
 COMMIT_2 = "ckpt/step-2/COMMIT"  # the step layout: step-N/ ... COMMIT written last
+LEASE = "ckpt/.forge_ckpt.lease"  # records COMMIT: the commit point (forge_ckpt/lock.py)
 
 
 class Holder(Checkpointable):
@@ -225,6 +232,20 @@ def _reboot(folder: str) -> None:
             json.dump(holder, f)
 
 
+def _commit_2_durable(tree: DurableTree, final: DurableTree) -> bool:
+    """Step 2's commit point is durable: its COMMIT, and the lease's record of that COMMIT."""
+    if COMMIT_2 not in final or tree.get(COMMIT_2) != final[COMMIT_2]:
+        return False
+    try:
+        lease = json.loads(tree.get(LEASE) or b"")
+    except ValueError:
+        return False
+    record = layout.parse_record(lease) if isinstance(lease, dict) else None
+    return record is None or (
+        2 in record and record[2] == layout.marker_generation(final[COMMIT_2] or b"")
+    )
+
+
 def _fingerprint(tree: DurableTree) -> str:
     h = hashlib.sha256()
     for path, data in sorted(tree.items()):
@@ -243,7 +264,7 @@ async def power_cut_failures(job: Job, tmp: str, fault: str | None = None) -> Re
     results: dict[str, tuple[int | None, str | None]] = {}
     for k, model in durable_states(oplog, start):
         tree = model.durable_tree()
-        committed = COMMIT_2 in final and tree.get(COMMIT_2) == final[COMMIT_2]
+        committed = _commit_2_durable(tree, final)
         if committed and report.commit_durable_at is None:
             report.commit_durable_at = k
         key = _fingerprint(tree)
