@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from . import commit, layout
 from .errors import CheckpointCorruptError
+from .lock import Lease
 from .storage import Storage
 
 
@@ -59,9 +60,10 @@ def set_aside(store: Storage, step: int) -> None:
     store.move_prefix(name, f"{ASIDE}/{name}", first=f"{name}/{layout.MARKER}")
 
 
-def put_back(store: Storage) -> list[int]:
-    """Undo `set_aside` for every step whose replacement never committed; drop the copies
-    of those whose replacement did."""
+def put_back(store: Storage, lease: Lease) -> list[int]:
+    """Undo `set_aside` for every step whose replacement never committed (recording it in
+    the lease again: the new step's preparation took it out); drop the copies of those
+    whose replacement did."""
     back = []
     for name in store.list(ASIDE):
         step = layout.parse_step(name)
@@ -71,14 +73,19 @@ def put_back(store: Storage) -> list[int]:
             store.delete_prefix(f"{ASIDE}/{name}")
             continue
         store.delete_prefix(name)  # the uncommitted new step's files
-        store.move_prefix(f"{ASIDE}/{name}", name)
+        marker = f"{ASIDE}/{name}/{layout.MARKER}"
+        generation = layout.marker_generation(store.read(marker))
+        # Recorded before it moves (its marker goes last in): at every moment one whole copy
+        # counts, here or aside, and a crash in between is finished by the next start.
+        lease.record(step, generation if generation is not None else lease.generation)
+        store.move_prefix(f"{ASIDE}/{name}", name, first=marker)
         back.append(step)
     return back
 
 
-def recover(store: Storage) -> None:
+def recover(store: Storage, lease: Lease) -> None:
     """At a job's start, under the lease: finish what a crashed rollback left."""
-    put_back(store)
+    put_back(store, lease)
     retire_superseded(store)
 
 

@@ -67,7 +67,7 @@ class CheckpointCoordinator:
             self.store.makedirs("")
             self._lease.acquire()
             commit.remove_uncommitted(self.store)
-            branch.recover(self.store)
+            branch.recover(self.store, self._lease)
         except OSError as e:
             self._lease.release()
             raise CheckpointError(
@@ -392,7 +392,7 @@ class CheckpointCoordinator:
         try:
             await self._rt.to_thread(commit.remove_if_uncommitted, store, step)
             if store is self.store and self._branch_from is not None:
-                await self._rt.to_thread(branch.put_back, store)
+                await self._rt.to_thread(branch.put_back, store, self._lease)
         except OSError as e:
             log.warning(
                 "could not remove aborted step %s (%s); it is not committed and will be "

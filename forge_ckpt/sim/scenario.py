@@ -14,7 +14,7 @@ import os
 import tempfile
 from dataclasses import dataclass
 
-from .. import layout
+from .. import layout, lock
 from ..config import CheckpointConfig
 from ..coordinator import CheckpointCoordinator
 from ..errors import CheckpointError, CheckpointLockedError
@@ -62,6 +62,8 @@ class Job:
                 await asyncio.sleep(TTL / 2)
                 continue
             self.oracle.opened(coord._lease.generation)
+            # A process's leases die with it (lock.py keeps this process's in a registry).
+            self.proc.on_kill.append(lambda: lock._LEASES.discard(coord._lease))
             return coord
 
     async def run(self, saves: int) -> None:
@@ -108,7 +110,7 @@ class Job:
         try:
             res = await self.coord.wait(persisting=False)
         except (CheckpointError, OSError) as e:
-            self.w.log(f"{self.name} save({step}) failed: {str(e).splitlines()[0]}")
+            self.w.log(f"{self.name} save({step}) failed: {_brief(e)}")
             return
         if res is not None and res.committed:
             self.reported(step)
@@ -125,7 +127,7 @@ class Job:
         try:
             res = await self.coord.save(step)
         except (CheckpointError, OSError) as e:
-            self.w.log(f"{self.name} save({step}) failed: {str(e).splitlines()[0]}")
+            self.w.log(f"{self.name} save({step}) failed: {_brief(e)}")
             return
         if res.committed:
             self.reported(step)
@@ -147,7 +149,7 @@ class Job:
         try:
             res = await self.coord.load(step)
         except (CheckpointError, OSError) as e:
-            self.w.log(f"{self.name} load({step}) failed: {str(e).splitlines()[0]}")
+            self.w.log(f"{self.name} load({step}) failed: {_brief(e)}")
             after = [a.obj.version for a in self.actors]
             if after != before and "applied" not in str(e):
                 raise Violation("I4 all or nothing", f"failed load: {before}->{after}") from e
@@ -257,10 +259,16 @@ def _run(world: World) -> str | None:
     sibling = seed_sibling(world)
     world.loop.set_exception_handler(lambda loop, ctx: None)
     try:
-        world.loop.run_until_complete(_scenario(world, oracle, jobs))
+        try:
+            world.loop.run_until_complete(_scenario(world, oracle, jobs))
+        except Exception:
+            if world.violation is None:
+                raise
+        if world.violation is not None:
+            raise world.violation
         if snapshot_sibling(world) != sibling:
             raise Violation("I5 folders", "the sibling folder exp10 was changed")
-    except Violation as v:
+    except AssertionError as v:
         world.log(f"VIOLATION {v}")
         return str(v)
     except Deadlock as e:
@@ -297,3 +305,7 @@ def _ungated(world: World, sub: str = "") -> Storage:
         store.client = Client(world.bucket, lambda op, key, mutates: "ok")
         return store
     return LocalStorage(StorageSpec(os.path.join(world.root, "bkt/runs/exp1" + sub)))
+
+
+def _brief(e: BaseException) -> str:
+    return " | ".join(str(e).splitlines()[:4])

@@ -56,6 +56,7 @@ class Proc:
     name: str
     alive: bool = True
     tasks: list[asyncio.Task] = field(default_factory=list)
+    on_kill: list[Callable[[], None]] = field(default_factory=list)  # what dies with it
 
     def identity(self) -> dict[str, Any]:
         return {"host": f"sim-{self.name}", "pid": 1, "pid_start": "1"}
@@ -76,6 +77,7 @@ class World:
         self.observers: list[Callable[[], None]] = []
         self.observe_next = False
         self.epoch = 0
+        self.violation: AssertionError | None = None  # the first one the oracle found
         self.threads: list[SimThread] = []
         _WORLDS[self.id] = self
 
@@ -91,6 +93,8 @@ class World:
             return
         proc.alive = False
         self.log(f"KILL {proc.name}")
+        for fn in proc.on_kill:
+            fn()
         for t in proc.tasks:
             t.cancel()
 
@@ -100,8 +104,12 @@ class World:
         then the process is found dead). Raises Crash for a dead process's new request."""
         if self.observe_next:  # a marker just landed: let the oracle look before anything else
             self.observe_next = False
-            for obs in self.observers:
-                obs()
+            try:
+                for obs in self.observers:
+                    obs()
+            except AssertionError as v:  # kept here: the product's code may catch it
+                self.violation = self.violation or v
+                raise
         th = SimThread.current()
         proc = th.proc if th is not None else PROC.get(None)
         if proc is not None and not proc.alive:
