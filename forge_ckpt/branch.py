@@ -69,7 +69,7 @@ def put_back(store: Storage, lease: Lease) -> list[int]:
         step = layout.parse_step(name)
         if step is None:
             continue
-        if store.exists(f"{name}/{layout.MARKER}"):  # the new step N committed
+        if layout.is_committed(store, step):  # the new step N committed (and recorded)
             store.delete_prefix(f"{ASIDE}/{name}")
             continue
         store.delete_prefix(name)  # the uncommitted new step's files
@@ -95,6 +95,7 @@ def retire_superseded(store: Storage) -> list[int]:
     for step in gone:
         commit.remove_step(store, step)
     for name in store.list(ASIDE):  # replaced by a committed step N
-        if store.exists(f"{name}/{layout.MARKER}"):
+        step = layout.parse_step(name)
+        if step is not None and layout.is_committed(store, step):
             store.delete_prefix(f"{ASIDE}/{name}")
     return gone

@@ -95,7 +95,11 @@ class Oracle:
                 self.late.add(ident)
 
     def observe(self) -> None:
-        """A marker landed: every legit committed step visible now is held to I1."""
+        """A marker landed or went: every committed step visible now is held to I1."""
+        self._update()
+        self.check_storage()
+
+    def _update(self) -> None:
         self.refresh()
         for ident, m in sorted(self.manifests().items(), key=lambda x: (x[0][1], x[0][0])):
             if ident in self.late:
@@ -108,7 +112,6 @@ class Oracle:
                     raise Violation("I1 no loss", f"step {ident[0]} abandons {old[0]}, "
                                     f"not newer than the rollback to {self.branch_point}")  # fmt: skip
                 self.abandoned.add(tuple(old))  # type: ignore[arg-type]
-        self.check_storage()
 
     def committed(self, step: int, branch_from: int | None) -> Identity:
         """A save reported its step committed: it must be there and legit (I1, I3)."""
@@ -125,7 +128,7 @@ class Oracle:
     # ---- checks -----------------------------------------------------------------------------
     def check_storage(self) -> None:
         """I1 and I3 on what storage holds now (run at every marker created or removed)."""
-        self.refresh()
+        self._update()
         present = self.present()
         live = [i for i in self.seen if i not in self.abandoned]
         for n, ident in enumerate(live):

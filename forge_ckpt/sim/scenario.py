@@ -63,7 +63,7 @@ class Job:
                 continue
             self.oracle.opened(coord._lease.generation)
             # A process's leases die with it (lock.py keeps this process's in a registry).
-            self.proc.on_kill.append(lambda: lock._LEASES.discard(coord._lease))
+            self.proc.on_kill.append(lambda lease=coord._lease: lock._LEASES.discard(lease))
             return coord
 
     async def run(self, saves: int) -> None:
