@@ -95,7 +95,7 @@ def retire_superseded(store: Storage) -> list[int]:
     for step in gone:
         commit.remove_step(store, step)
     for name in store.list(ASIDE):  # replaced by a committed step N
-        step = layout.parse_step(name)
-        if step is not None and layout.is_committed(store, step):
+        n = layout.parse_step(name)
+        if n is not None and layout.is_committed(store, n):
             store.delete_prefix(f"{ASIDE}/{name}")
     return gone

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import functools
 import os
 import tempfile
 from dataclasses import dataclass
@@ -63,7 +64,7 @@ class Job:
                 continue
             self.oracle.opened(coord._lease.generation)
             # A process's leases die with it (lock.py keeps this process's in a registry).
-            self.proc.on_kill.append(lambda lease=coord._lease: lock._LEASES.discard(lease))
+            self.proc.on_kill.append(functools.partial(lock._LEASES.discard, coord._lease))
             return coord
 
     async def run(self, saves: int) -> None:
