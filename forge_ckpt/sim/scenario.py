@@ -112,6 +112,7 @@ class Job:
             res = await self.coord.wait(persisting=False)
         except (CheckpointError, OSError) as e:
             self.w.log(f"{self.name} save({step}) failed: {_brief(e)}")
+            self.check_blame(e)
             return
         if res is not None and res.committed:
             self.reported(step)
@@ -129,6 +130,7 @@ class Job:
             res = await self.coord.save(step)
         except (CheckpointError, OSError) as e:
             self.w.log(f"{self.name} save({step}) failed: {_brief(e)}")
+            self.check_blame(e)
             return
         if res.committed:
             self.reported(step)
@@ -137,6 +139,14 @@ class Job:
         else:
             self.pending = step
             await self.flush()
+
+    def check_blame(self, e: BaseException) -> None:
+        """I7: a job is told another job took its folder only if one did."""
+        text = str(e)
+        blamed = "another writer" in text or "lost the lease" in text
+        assert self.coord is not None
+        if blamed and self.oracle.lease_generation() <= self.coord._lease.generation:
+            raise Violation("I7 no false alarm", f"{self.name}: {_brief(e)}")
 
     def reported(self, step: int) -> None:
         self.w.log(f"{self.name} save({step}) committed")
