@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: setup run run-s3 test bench harness lint dist clean
+.PHONY: setup run run-s3 test bench harness lint dist clean simulate
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -24,6 +24,11 @@ run-s3: setup
 
 test: setup
 	$(PY) -m pytest -q --durations=25 $(PYTEST_ARGS)
+
+# More seeded schedules of the protocol simulation than `make test` runs (docs/protocol.md).
+SEEDS ?= 20000
+simulate: setup
+	$(PY) -m forge_ckpt.sim --seeds $(SEEDS)
 
 bench: setup
 	$(PY) -m benchmarks.run --merge-gpu docs/benchmarks_gpu.json

@@ -127,6 +127,11 @@ def _create(store: Storage, path: str, data: bytes, lease: Lease | None) -> None
             return  # our own create, applied although its reply was lost
     except FileNotFoundError:
         pass
+    # Check the lease again right before removing anything: our own create may have taken
+    # longer than the TTL, and what is there may be the committed step of the job that took
+    # the folder over meanwhile (check() renews, and so learns it, once a third of the TTL
+    # has passed since the last renewal).
+    lease.check()
     log.warning("removing %s: a late write of a writer that lost the lease", store.where(path))
     store.delete(path)
     store.create(path, data)
@@ -144,10 +149,15 @@ def remove_step(store: Storage, step: int) -> None:
 
 def remove_if_uncommitted(store: Storage, step: int) -> bool:
     """Remove an aborted save's step unless it has a marker (then it is committed, or the
-    abort cannot tell: a step is never removed on a guess). True if removed."""
+    abort cannot tell: a step is never removed on a guess), and only under a lease still
+    held (a writer that lost the folder must not delete its successor's files). True if
+    removed."""
+    lease = _writer(store, f"remove the aborted step {step}")
     if store.exists(f"{layout.step_name(step)}/{layout.MARKER}"):
         log.warning("step %d has a commit marker: not removing it", step)
         return False
+    if lease is not None:
+        lease.check()  # again, right before the delete: the look may have taken long
     store.delete_prefix(layout.step_name(step))
     return True
 

@@ -31,9 +31,11 @@ from .config import CheckpointConfig
 from .errors import (
     CheckpointCorruptError,
     CheckpointError,
+    CheckpointLockedError,
     CheckpointMismatchError,
     CheckpointSaveError,
 )
+from .lock import CURRENT as CURRENT_LEASE
 from .lock import Lease
 from .memory.choose import TIER
 from .memory.choose import candidates as load_candidates
@@ -66,8 +68,8 @@ class CheckpointCoordinator:
         try:
             self.store.makedirs("")
             self._lease.acquire()
-            commit.remove_uncommitted(self.store)
-            branch.recover(self.store, self._lease)
+            self._under_lease(commit.remove_uncommitted, self.store)
+            self._under_lease(branch.recover, self.store, self._lease)
         except OSError as e:
             self._lease.release()
             raise CheckpointError(
@@ -90,6 +92,17 @@ class CheckpointCoordinator:
         self._close_requested = False
         self._closed = False
         self.tier = open_tier(config, self._lease.release, self.store)  # None: no memory tier
+
+    async def _io(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """A blocking storage call, off the event loop, under this coordinator's lease."""
+        return await self._rt.to_thread(self._under_lease, fn, *args)
+
+    def _under_lease(self, fn: Callable[..., Any], *args: Any) -> Any:
+        token = CURRENT_LEASE.set(self._lease)
+        try:
+            return fn(*args)
+        finally:
+            CURRENT_LEASE.reset(token)
 
     # ---- registration -------------------------------------------------------------------
 
@@ -144,11 +157,11 @@ class CheckpointCoordinator:
         start = time.perf_counter()
         prepared = False  # only a folder this save prepared is ever removed by its abort
         try:
-            plan = await self._rt.to_thread(self._check_step, step, store)
+            plan = await self._io(self._check_step, step, store)
             if plan is None:
                 return SaveResult(step, where.url, committed=True)
             prepared = True
-            await self._rt.to_thread(commit.prepare_step, store, step)
+            await self._io(commit.prepare_step, store, step)
         except OSError as e:
             if prepared:
                 await self._discard(step, store)
@@ -248,7 +261,7 @@ class CheckpointCoordinator:
             manifest = self._manifest(groups, result.step, records, result.seconds, extra)
             manifest.supersedes = abandons
             committing = True  # from here on the step may become visible: never abort it
-            await self._rt.to_thread(self._commit, manifest, store)
+            await self._io(self._commit, manifest, store)
         except BaseException as e:
             if not committing:
                 await self._abort(units, result.step, e, store)
@@ -270,7 +283,7 @@ class CheckpointCoordinator:
         if abandons:  # the new branch is committed: the abandoned one goes now
             self._branch_from = None
             try:
-                await self._rt.to_thread(branch.retire_superseded, self.store)
+                await self._io(branch.retire_superseded, self.store)
             except OSError as e:  # loads skip them; the next start removes them
                 log.warning("could not yet remove the abandoned steps: %s", e)
                 return result
@@ -282,7 +295,7 @@ class CheckpointCoordinator:
         return result
 
     async def _retention(self) -> None:
-        removed = await self._rt.to_thread(self._apply_retention)
+        removed = await self._io(self._apply_retention)
         if removed:
             log.info("retention removed steps %s", removed)
 
@@ -390,10 +403,10 @@ class CheckpointCoordinator:
             log.warning("not removing the aborted step %d: the lease is no longer held", step)
             return
         try:
-            await self._rt.to_thread(commit.remove_if_uncommitted, store, step)
+            await self._io(commit.remove_if_uncommitted, store, step)
             if store is self.store and self._branch_from is not None:
-                await self._rt.to_thread(branch.put_back, store, self._lease)
-        except OSError as e:
+                await self._io(branch.put_back, store, self._lease)
+        except (OSError, CheckpointLockedError) as e:
             log.warning(
                 "could not remove aborted step %s (%s); it is not committed and will be "
                 "removed at the next start",
@@ -440,8 +453,8 @@ class CheckpointCoordinator:
         if self.tier is not None:
             self.tier.relist()
         exclude = set(exclude)
-        marked = await self._rt.to_thread(self._loadable)
-        mem = await self._rt.to_thread(self.tier.steps) if self.tier is not None else []
+        marked = await self._io(self._loadable)
+        mem = await self._io(self.tier.steps) if self.tier is not None else []
         if step is not None and step not in marked and step not in mem:
             raise CheckpointError(
                 f"step {step} is not a committed step in {self.config.folder}; "
@@ -461,7 +474,7 @@ class CheckpointCoordinator:
                     continue
                 log.warning("step %d is corrupt (%s); falling back to %sstep %d", candidate, e,
                             "memory " if nxt[0] else "", nxt[1])  # fmt: skip
-                await self._rt.to_thread(commit.quarantine_step, self.store, candidate)
+                await self._io(commit.quarantine_step, self.store, candidate)
                 continue
             newest = max([*marked, *mem], default=None)
             self._branch_from = loaded.step if newest is not None and loaded.step < newest else None
@@ -490,9 +503,9 @@ class CheckpointCoordinator:
     ) -> LoadResult:
         store, spec = self._target(in_mem)
         if in_mem and self.tier is not None:  # every file must still have a copy somewhere
-            await self._rt.to_thread(self.tier.check_whole, step)
+            await self._io(self.tier.check_whole, step)
         where = spec.child(layout.step_name(step))
-        manifest = await self._rt.to_thread(layout.read_committed, store, step, self._signer)
+        manifest = await self._io(layout.read_committed, store, step, self._signer)
         self._check_matches(manifest, exclude, allow_mismatch)
         verify = self.config.verify_on_load
         plan = await components.load_plan(self._groups, manifest, exclude, where, verify)
@@ -583,7 +596,7 @@ class CheckpointCoordinator:
         close: a run that starts over (`fresh`) under the same lease nobody else can hold."""
         try:
             for step in layout.all_steps(self.store):
-                commit.remove_step(self.store, step)
+                self._under_lease(commit.remove_step, self.store, step)
             self.store.delete_prefix(layout.QUARANTINE)
             if self.tier is not None:
                 self.tier.wipe()

@@ -33,6 +33,7 @@ record, so the next job takes it at once.
 
 from __future__ import annotations
 
+import contextvars
 import json
 import logging
 import os
@@ -79,10 +80,20 @@ def _pid_ns() -> int | None:
         return None
 
 
+# The lease of the coordinator whose call is running (set around each of its storage calls):
+# two coordinators of one process on one folder (a test, the simulation) each use their own.
+CURRENT: contextvars.ContextVar[Lease | None] = contextvars.ContextVar(
+    "forge_ckpt_lease", default=None
+)
+
+
 def lease_of(store: Storage) -> Lease | None:
-    """The lease this process took on this storage object (open_storage caches one per folder)
-    and did not release: the held one, else one lost to another job. The commit functions
-    record and check through it."""
+    """The caller's lease on this storage object: the running coordinator's, else the one this
+    process took (open_storage caches one per folder) and did not release: the held one, else
+    one lost to another job. The commit functions record and check through it."""
+    current = CURRENT.get()
+    if current is not None and current.store is store:
+        return current
     mine = [lease for lease in list(_LEASES) if lease.store is store]
     return next((lease for lease in mine if lease.held), mine[0] if mine else None)
 

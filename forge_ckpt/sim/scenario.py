@@ -87,6 +87,7 @@ class Job:
                 a.set_version.remote(step)  # training: runs after any earlier snapshot
             await self.save(step)
             if r > 0.93 and self.pending is not None:
+                await asyncio.sleep(rng.uniform(0.0, 0.05))  # maybe mid-commit by now
                 w.log(f"{self.name} close() with a save in flight")
                 coord.close()
                 return
@@ -228,10 +229,16 @@ async def _scenario(world: World, oracle: Oracle, jobs: list[Job]) -> None:
         if rng.random() < 0.5:  # kill the job (or one of its actors) at a random moment
             victim = job.proc if rng.random() < 0.7 else None
             world.loop.call_later(rng.uniform(0.0, 0.4), _kill_later, world, job, victim)
+        # A successor may not wait for the job to end: it takes the folder over as soon as
+        # the lease of a stalled job expires (the stalled job's writes then land late).
+        patience = TTL * rng.uniform(1.0, 3.0) if rng.random() < 0.3 else None
         try:
-            await task
+            await asyncio.wait_for(asyncio.shield(task), patience)
         except (Crash, asyncio.CancelledError):
             pass
+        except asyncio.TimeoutError:
+            world.log(f"{job.name} is still running: the next job starts anyway")
+            continue
         world.kill(job.proc)
         for a in job.actors:
             world.kill(a.proc)
