@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -166,7 +167,8 @@ def quarantine_step(store: Storage, step: int) -> str:
     """Move a damaged committed step aside (kept for inspection, reported by `forge-ckpt
     list`), so that the same step number can be committed again."""
     lease = _writer(store, f"quarantine step {step}")
-    dest = f"{layout.QUARANTINE}/{layout.step_name(step)}.{int(time.time())}"
+    # The time says when; the suffix keeps two quarantines of one step in a second apart.
+    dest = f"{layout.QUARANTINE}/{layout.step_name(step)}.{int(time.time())}-{uuid.uuid4().hex[:6]}"
     store.makedirs(layout.QUARANTINE)
     store.move_prefix(
         layout.step_name(step), dest, first=f"{layout.step_name(step)}/{layout.MARKER}"

@@ -31,7 +31,6 @@ from .config import CheckpointConfig
 from .errors import (
     CheckpointCorruptError,
     CheckpointError,
-    CheckpointLockedError,
     CheckpointMismatchError,
     CheckpointSaveError,
 )
@@ -56,6 +55,12 @@ class CheckpointCoordinator:
         """`runtime`: threads and clocks (forge_ckpt.sim passes its deterministic ones)."""
         self.config = config
         self._rt = runtime
+        # close() never releases the lease while a storage call of ours runs: it asks the
+        # last one to, when it ends (_under_lease).
+        self._state = threading.Lock()  # held only for a few lines, never across I/O
+        self._busy = 0
+        self._close_requested = False
+        self._closed = False
         self.store = open_storage(config.storage)
         self._signer = config.signer
         self._lease = Lease(
@@ -86,11 +91,6 @@ class CheckpointCoordinator:
         # only writer): a save of a newer step skips listing the steps before its cut.
         self._newest_seen: dict[str, int] = {}
         self._commit_lock = threading.Lock()  # one commit at a time (a save's, a persist's)
-        # close() never releases the lease mid-commit: it asks the commit to, when done.
-        self._state = threading.Lock()  # held only for a few lines, never across I/O
-        self._committing = 0
-        self._close_requested = False
-        self._closed = False
         self.tier = open_tier(config, self._lease.release, self.store)  # None: no memory tier
 
     async def _io(self, fn: Callable[..., Any], *args: Any) -> Any:
@@ -98,11 +98,24 @@ class CheckpointCoordinator:
         return await self._rt.to_thread(self._under_lease, fn, *args)
 
     def _under_lease(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run a storage call of this coordinator: refused once close() was asked for; one
+        running when close() is asked for keeps the lease until it ends (the last one to end
+        releases it), so nothing is ever written to the folder after the release."""
+        with self._state:
+            if self._closed or self._close_requested:
+                raise CheckpointError("this CheckpointCoordinator is closed")
+            self._busy += 1
         token = CURRENT_LEASE.set(self._lease)
         try:
             return fn(*args)
         finally:
             CURRENT_LEASE.reset(token)
+            with self._state:
+                self._busy -= 1
+                release = self._close_requested and self._busy == 0 and not self._closed
+                self._closed = self._closed or release
+            if release:
+                self._release()
 
     # ---- registration -------------------------------------------------------------------
 
@@ -165,6 +178,8 @@ class CheckpointCoordinator:
         except OSError as e:
             if prepared:
                 await self._discard(step, store)
+            elif self._branch_from is not None and store is self.store:
+                await self._put_back()  # a set-aside move that failed half-way
             lines = [f"preparing the step: {describe(e)}"]
             raise save_error(self._newest(), step, lines) from e
         groups = dict(self._groups)  # what this save holds, whatever register() does meanwhile
@@ -306,24 +321,15 @@ class CheckpointCoordinator:
         return commit.apply_retention(self.store, self.config.retention, live)
 
     def _commit(self, manifest: layout.Manifest, store: Storage | None = None) -> None:
-        """Commit under the lease; a close() meanwhile releases the lease once this ends."""
-        with self._state:
-            if self._closed or self._close_requested:
-                raise CheckpointError("this CheckpointCoordinator is closed")
-            self._committing += 1
-        try:
-            with self._commit_lock:
-                target = self.store if store is None else store
-                commit.commit_step(target, manifest, self._lease.renew, self._signer)
-                seen = self._newest_seen.get(target.url, 0)
-                self._newest_seen[target.url] = max(seen, manifest.step)
-        finally:
-            with self._state:
-                self._committing -= 1
-                release = self._close_requested and self._committing == 0 and not self._closed
-                self._closed = self._closed or release
-            if release:
-                self._release()
+        """Commit under the lease (also the memory tier's persist: from its own thread)."""
+        self._under_lease(self._commit_now, manifest, store)
+
+    def _commit_now(self, manifest: layout.Manifest, store: Storage | None) -> None:
+        with self._commit_lock:
+            target = self.store if store is None else store
+            commit.commit_step(target, manifest, self._lease.renew, self._signer)
+            seen = self._newest_seen.get(target.url, 0)
+            self._newest_seen[target.url] = max(seen, manifest.step)
 
     async def _persisted(
         self, units: list[Unit], result: SaveResult, start: float
@@ -405,14 +411,20 @@ class CheckpointCoordinator:
         try:
             await self._io(commit.remove_if_uncommitted, store, step)
             if store is self.store and self._branch_from is not None:
-                await self._io(branch.put_back, store, self._lease)
-        except (OSError, CheckpointLockedError) as e:
+                await self._put_back()
+        except (OSError, CheckpointError) as e:
             log.warning(
                 "could not remove aborted step %s (%s); it is not committed and will be "
                 "removed at the next start",
                 store.where(layout.step_name(step)),
                 e,
             )
+
+    async def _put_back(self) -> None:
+        try:
+            await self._io(branch.put_back, self.store, self._lease)
+        except (OSError, CheckpointError) as e:  # the next start puts it back
+            log.warning("could not put a set-aside step back yet: %s", e)
 
     async def wait(self, persisting: bool = True) -> SaveResult | None:
         """Wait for a background save (and, with the memory tier, its persist to the durable
@@ -578,7 +590,7 @@ class CheckpointCoordinator:
             if self._closed:
                 return
             self._close_requested = True
-            release = self._committing == 0
+            release = self._busy == 0
             self._closed = release
         if release:
             self._release()
@@ -598,6 +610,7 @@ class CheckpointCoordinator:
             for step in layout.all_steps(self.store):
                 self._under_lease(commit.remove_step, self.store, step)
             self.store.delete_prefix(layout.QUARANTINE)
+            self.store.delete_prefix(branch.ASIDE)
             if self.tier is not None:
                 self.tier.wipe()
         finally:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import faulthandler
 import logging
+import os
 import sys
 import time
 
@@ -20,6 +21,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--verbose", action="store_true", help="name each seed as it starts")
     p.add_argument("--hang-s", type=float, default=60.0, help="a seed that runs longer hangs")
     args = p.parse_args(argv)
+    if os.environ.get("PYTHONHASHSEED") != "0":  # set order must not differ between runs
+        env = {**os.environ, "PYTHONHASHSEED": "0"}
+        argv = sys.argv[1:] if argv is None else argv
+        os.execve(sys.executable, [sys.executable, "-m", "forge_ckpt.sim", *argv], env)
     logging.getLogger("forge_ckpt").setLevel(logging.INFO if args.trace else logging.CRITICAL)
     seeds = [args.seed] if args.seed is not None else range(args.first, args.first + args.seeds)
     start, failed = time.perf_counter(), 0
