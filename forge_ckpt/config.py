@@ -40,9 +40,11 @@ class CheckpointConfig:
     signing_key / verify_keys: sign each step's manifest with HMAC-SHA256 (the signature goes
         into COMMIT); accept steps signed by any of these keys (rotation). Default: the
         environment's FORGE_CKPT_SIGNING_KEY / FORGE_CKPT_VERIFY_KEYS. Never written anywhere.
-    allow_unsigned: with a key configured, still load steps that were saved unsigned.
+    allow_unsigned: with a key configured, still load steps that were saved unsigned, but only
+        steps older than every signed step in the folder (a planted unsigned step never wins).
     verify_on_load: check every file's crc32c before anything is loaded (DCP's `.metadata` is
-        a pickle: never open one that does not match the manifest).
+        a pickle: never open one that does not match the manifest). A step whose files carry
+        digests (every signed step) is verified whatever this says.
     fallback: on a corrupt newest step, load the newest intact committed one instead.
     fingerprint: identifies the run (a hash of its config); a folder from another run is
         refused on load (and the memory tier retires holders of another run).

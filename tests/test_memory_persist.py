@@ -192,3 +192,28 @@ async def test_close_during_the_durable_commit_keeps_the_step(nodes, s3_folder):
     finally:
         release.set()
         coord.close()
+
+
+async def test_a_memory_save_behind_a_newer_durable_step_is_refused(nodes, s3_folder):
+    """Issue 22, item 3: on a folder whose newest durable step is 10, save(1) is refused with
+    the memory tier as without it (it was accepted, and retention then deleted the persisted
+    copy by number while the next load() resumed step 10)."""
+    coord = CheckpointCoordinator(config(s3_folder.url, s3_folder.options, durable_every=1))
+    actor = cu.Buffer.options(**cu.on("head")).remote(0)
+    coord.register("dataset", actor)
+    try:
+        await coord.save(10, durable=True)
+        await coord.wait()
+        assert committed_steps(s3_folder.url, s3_folder.options) == [10]
+    finally:
+        coord.close()
+    coord = CheckpointCoordinator(config(s3_folder.url, s3_folder.options, durable_every=1))
+    coord.register("dataset", actor)
+    try:
+        coord.tier.wipe()  # only the durable step 10 is left: the memory tier knows none
+        with pytest.raises(CheckpointError, match="step 10 is newer"):
+            await coord.save(1)
+        assert committed_steps(s3_folder.url, s3_folder.options) == [10]
+        assert (await coord.load()).step == 10
+    finally:
+        coord.close()
