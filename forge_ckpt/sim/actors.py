@@ -25,6 +25,7 @@ class Component(Checkpointable):
     def __init__(self, name: str) -> None:
         self.name = name
         self.version = 0
+        self.loads = 0
 
     def set_version(self, v: int) -> None:
         self.version = v
@@ -34,6 +35,7 @@ class Component(Checkpointable):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.version = int(state["version"])
+        self.loads += 1  # what a load applied (training calls change `version` too)
 
     def forge_begin_save(
         self, where: StorageSpec, relpath: str, background: bool, defer: bool = False

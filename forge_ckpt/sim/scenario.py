@@ -157,17 +157,17 @@ class Job:
 
     async def load(self, step: int | None, current: int = 0) -> int:
         assert self.coord is not None
-        before = [a.obj.version for a in self.actors]
+        before = [a.obj.loads for a in self.actors]
         try:
             res = await self.coord.load(step)
         except (CheckpointError, OSError) as e:
             self.w.log(f"{self.name} load({step}) failed: {_brief(e)}")
-            after = [a.obj.version for a in self.actors]
+            after = [a.obj.loads for a in self.actors]
             changed = [
                 a.obj.name for a, x, y in zip(self.actors, before, after, strict=True) if x != y
             ]
             if changed and ("nothing was applied" in str(e) or changed[0] not in str(e)):
-                raise Violation("I4 all or nothing", f"failed load: {before}->{after}") from e
+                raise Violation("I4 all or nothing", f"failed load applied {changed}") from e
             return current
         got = None if res is None else res.step
         self.w.log(f"{self.name} load({step}) -> {got}")
