@@ -72,10 +72,10 @@ def commit_step(
     """
     lease = _writer(store, f"commit step {manifest.step}", fence)
     name = layout.step_name(manifest.step)
-    for sub in (layout.ACTORS, layout.TRAINER, ""):
-        store.sync_dir(f"{name}/{sub}" if sub else name)
     data = manifest.to_bytes()
     try:
+        for sub in (layout.ACTORS, layout.TRAINER, ""):
+            store.sync_dir(f"{name}/{sub}" if sub else name)
         _create(store, f"{name}/{layout.MANIFEST}", data, lease)
         if lease is not None:
             lease.check()  # a holder that knows it was taken over writes no COMMIT
@@ -85,6 +85,10 @@ def commit_step(
         marker = layout.marker_bytes(
             manifest.step, crc32c_of_bytes(data), manifest.generation, signature
         )
+    except OSError as e:  # no COMMIT was written: certainly not committed
+        e.not_committed = True  # type: ignore[attr-defined]
+        raise
+    try:
         _create(store, f"{name}/{layout.MARKER}", marker, lease)
     except AlreadyExistsError as e:
         raise CheckpointSaveError(

@@ -278,17 +278,20 @@ class CheckpointCoordinator:
             committing = True  # from here on the step may become visible: never abort it
             await self._io(self._commit, manifest, store)
         except BaseException as e:
-            if not committing:
+            if not committing or getattr(e, "not_committed", False):
                 await self._abort(units, result.step, e, store)
-            elif isinstance(e, Exception) and not isinstance(e, CheckpointError):
-                e = CheckpointSaveError(
-                    f"step {result.step}: the commit's outcome is unknown ({describe(e)}); "
-                    "it was left as it is: the next load() loads it if its marker landed, and "
-                    "the next start removes it if not"
-                )
-            if isinstance(e, (OSError, ValueError)):
-                raise save_error(self._newest(), result.step, [f"commit: {describe(e)}"]) from e
-            raise e
+                if isinstance(e, (OSError, ValueError)):
+                    lines = [f"commit: {describe(e)}"]
+                    raise save_error(self._newest(), result.step, lines) from e
+                raise
+            unknown = isinstance(e, OSError) or not isinstance(e, CheckpointError)
+            if isinstance(e, Exception) and unknown:  # a definite refusal says so itself
+                raise CheckpointSaveError(
+                    f"step {result.step}: the commit failed and its outcome is unknown "
+                    f"({describe(e)}); the step was left as it is: a load counts it if its "
+                    "commit was recorded, and the next start removes it if not"
+                ) from e
+            raise
         result.nbytes = manifest.nbytes
         result.total_s = time.perf_counter() - start
         result.committed = True

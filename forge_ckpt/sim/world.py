@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import errno
-import itertools
 import os
 import random
 from collections.abc import Callable
@@ -27,7 +26,6 @@ from .loop import PROC, Clock, Crash, SimLoop, SimThread
 from .s3server import Bucket, Client
 
 _WORLDS: dict[str, World] = {}
-_ids = itertools.count()
 
 
 @dataclass
@@ -64,7 +62,7 @@ class Proc:
 
 class World:
     def __init__(self, seed: int, s3: bool, root: str, ttl: float) -> None:
-        self.id = f"w{next(_ids)}"
+        self.id = f"w{seed}"  # messages name it: the same seed, the same trace
         self.seed, self.s3, self.ttl = seed, s3, ttl
         self.rng = random.Random(seed)
         self.faults = Faults.draw(self.rng, s3)
