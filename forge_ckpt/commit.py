@@ -85,19 +85,25 @@ def commit_step(
         marker = layout.marker_bytes(
             manifest.step, crc32c_of_bytes(data), manifest.generation, signature
         )
+    except AlreadyExistsError as e:
+        raise _another_writer(manifest.step, e) from None
     except OSError as e:  # no COMMIT was written: certainly not committed
         e.not_committed = True  # type: ignore[attr-defined]
         raise
     try:
         _create(store, f"{name}/{layout.MARKER}", marker, lease)
     except AlreadyExistsError as e:
-        raise CheckpointSaveError(
-            f"step {manifest.step}: another writer is committing the same step ({e}); "
-            "only one job may write a checkpoint folder"
-        ) from None
+        raise _another_writer(manifest.step, e) from None
     store.sync_dir("")
     if lease is not None:
         lease.record(manifest.step, manifest.generation)  # the commit point
+
+
+def _another_writer(step: int, e: BaseException) -> CheckpointSaveError:
+    return CheckpointSaveError(
+        f"step {step}: another writer is committing the same step ({e}); only one job may "
+        "write a checkpoint folder"
+    )
 
 
 def _writer(store: Storage, what: str, fence: Any = None) -> Lease | None:
