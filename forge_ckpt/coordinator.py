@@ -298,8 +298,8 @@ class CheckpointCoordinator:
         log.info(
             "committed step %d: %.1f MB in %.2fs", result.step, result.nbytes / 1e6, result.total_s
         )
-        if abandons:  # the new branch is committed: the abandoned one goes now
-            self._branch_from = None
+        self._branch_from = None  # a new branch (if any) has committed its first step
+        if abandons:  # the abandoned one goes now
             try:
                 await self._io(branch.retire_superseded, self.store)
             except OSError as e:  # loads skip them; the next start removes them
