@@ -23,30 +23,49 @@ from .storage import Storage
 def live_steps(store: Storage) -> list[int]:
     """Committed steps, less the abandoned ones not yet removed: what exists for a load,
     for retention and for the next step's number."""
-    gone = superseded(store)
-    return [s for s in layout.committed_steps(store) if s not in gone]
+    found = _committed(store)
+    gone = superseded(store, found)
+    return [s for s in found if s not in gone]
 
 
-def superseded(store: Storage) -> set[int]:
-    """Committed steps that a committed step of a newer branch has abandoned."""
-    created: dict[int, float] = {}
-    replaced: set[tuple[int, float]] = set()
-    for step in layout.marked_steps(store):
+def superseded(store: Storage, found: dict[int, layout.Manifest] | None = None) -> set[int]:
+    """Committed steps that a committed step of a newer branch has abandoned. `found`: the
+    committed steps' manifests, if the caller already read them."""
+    found = _committed(store) if found is None else found
+    replaced = {pair for m in found.values() for pair in m.supersedes}
+    return {s for s, m in found.items() if (s, m.created) in replaced}
+
+
+def _committed(store: Storage) -> dict[int, layout.Manifest]:
+    """Every committed step's manifest, ascending, in one pass (the lease's record read
+    once). A damaged step is left out: load reports it; it never drops another step."""
+    fence = layout.read_fence(store)
+    found = {}
+    for step in layout.all_steps(store):
+        if not fence.admits(step):
+            continue
         try:
-            m = layout.read_committed(store, step)
+            found[step] = layout.read_committed(store, step, fence=fence)
         except CheckpointCorruptError:
-            continue  # damaged: reported by load, never a reason to drop another step
-        created[step] = m.created
-        replaced.update(m.supersedes)
-    return {s for s, t in created.items() if (s, t) in replaced}
+            continue
+    return found
 
 
 def abandoned_by(store: Storage, branch_from: int) -> list[tuple[int, float]]:
-    """What a new branch from `branch_from` abandons: the committed steps newer than it."""
+    """What a new branch from `branch_from` abandons: every step newer than it with a
+    readable COMMIT, recorded in the lease or not. A step whose commit's outcome was unknown
+    (its lease record write failed) may still become recorded later, when the lease next
+    writes its record: it must be abandoned by name now, or it would come back as the newest
+    step of the folder."""
     out = []
-    for step in layout.committed_steps(store):
-        if step > branch_from:
-            out.append((step, layout.read_committed(store, step).created))
+    anyone = layout.Fence()  # every marker counts: recorded or not
+    for step in layout.all_steps(store):
+        if step <= branch_from:
+            continue
+        try:
+            out.append((step, layout.read_committed(store, step, fence=anyone).created))
+        except CheckpointCorruptError:
+            continue  # no marker, or a damaged one: never loadable, so nothing to abandon
     return out
 
 

@@ -227,7 +227,7 @@ class CheckpointCoordinator:
         abandoned branch with this very number is replaced explicitly: it goes first."""
         if self._branch_from is not None and step > self._branch_from:
             abandons = branch.abandoned_by(self.store, self._branch_from)
-            if any(s == step for s, _ in abandons):
+            if any(s == step for s, _ in abandons) and layout.is_marked(self.store, step):
                 log.warning("rollback: setting step %d of the abandoned branch aside", step)
                 branch.set_aside(self.store, step)
             if self.tier is not None:  # memory steps are copies, not the branch's record
@@ -313,14 +313,23 @@ class CheckpointCoordinator:
         return result
 
     async def _retention(self) -> None:
-        removed = await self._io(self._apply_retention)
+        """Best effort after a commit: a failure leaves extra steps, never a failed save (the
+        step is committed); the next save tries again."""
+        try:
+            removed = await self._io(self._apply_retention)
+        except OSError as e:
+            log.warning("retention could not run (the next save tries again): %s", e)
+            return
         if removed:
             log.info("retention removed steps %s", removed)
 
     def _apply_retention(self) -> list[int]:
         """Retention counts live steps only: an abandoned step not yet removed (its removal
-        failed) must not push a step of the new branch out."""
-        live = branch.live_steps(self.store)
+        failed) must not push a step of the new branch out. The abandoned steps go first:
+        the manifest that records their abandonment may be one retention removes, and then
+        nothing would mark them abandoned any more."""
+        branch.retire_superseded(self.store)
+        live = layout.committed_steps(self.store)  # none abandoned is left
         return commit.apply_retention(self.store, self.config.retention, live)
 
     def _commit(self, manifest: layout.Manifest, store: Storage | None = None) -> None:

@@ -1,0 +1,138 @@
+"""Rollback branches under storage faults (issue 22; both found by the simulation, seeds 5428
+and 3299 of an earlier code): an abandoned step must stay abandoned whatever fails around it.
+
+Plain actors answering through `.remote()` and a local folder whose chosen storage call fails
+once: no Ray, no timing."""
+
+from __future__ import annotations
+
+import errno
+from typing import Any
+
+import pytest
+
+from forge_ckpt import CheckpointConfig, CheckpointCoordinator, CheckpointSaveError, layout
+from forge_ckpt.storage import SCHEMES, StorageSpec
+from forge_ckpt.storage.local import LocalStorage
+
+FAILS: dict[tuple[str, str], int] = {}  # (operation, path suffix) -> failures left
+
+
+class FaultFS(LocalStorage):
+    """LocalStorage whose chosen operations fail (EIO, before they apply) as often as asked."""
+
+    def __init__(self, spec: StorageSpec) -> None:
+        super().__init__(StorageSpec(spec.url.removeprefix("faulty://"), dict(spec.options)))
+        self.spec = spec
+
+    def sub(self, prefix: str) -> FaultFS:
+        return FaultFS(self.spec.child(prefix))
+
+
+def _faulty(name: str) -> Any:
+    base = getattr(LocalStorage, name)
+
+    def method(self: FaultFS, path: str = "", *args: Any, **kw: Any) -> Any:
+        for (op, suffix), left in list(FAILS.items()):
+            if op == name and path.endswith(suffix) and left > 0:
+                FAILS[(op, suffix)] = left - 1
+                raise OSError(errno.EIO, f"{path}: {name} failed (test)")
+        return base(self, path, *args, **kw)
+
+    return method
+
+
+for _name in ("create", "replace", "delete", "delete_prefix", "read"):
+    setattr(FaultFS, _name, _faulty(_name))
+SCHEMES["faulty://"] = FaultFS
+
+
+class _Call:
+    def __init__(self, fn: Any) -> None:
+        self.fn = fn
+
+    def remote(self, *args: Any) -> Any:
+        async def run() -> Any:
+            return self.fn(*args)
+
+        return run()
+
+
+class Plain:
+    """An actor with only state_dict/load_state_dict (the driver does its I/O)."""
+
+    def __init__(self) -> None:
+        self.v = 0
+        self.state_dict = _Call(lambda: {"v": self.v})
+        self.load_state_dict = _Call(self._load)
+
+    def _load(self, state: dict) -> None:
+        self.v = state["v"]
+
+
+@pytest.fixture(autouse=True)
+def clean():
+    FAILS.clear()
+    yield
+    FAILS.clear()
+
+
+def open_job(folder: Any, keep_last: int) -> tuple[CheckpointCoordinator, Plain]:
+    cfg = CheckpointConfig(folder=str(folder), keep_last=keep_last)
+    cfg.folder = f"faulty://{cfg.folder}"  # normalize_url made the path absolute
+    coord = CheckpointCoordinator(cfg)
+    actor = Plain()
+    coord.register("a", actor)
+    return coord, actor
+
+
+async def save(coord: CheckpointCoordinator, actor: Plain, step: int, branch: str) -> None:
+    actor.v = step * 10 + (1 if branch == "new" else 0)
+    assert (await coord.save(step)).committed
+
+
+async def test_an_abandoned_step_stays_abandoned_when_retention_removes_its_record(tmp_path):
+    """Seed 5428: the abandoned step 6 could not be removed after the new branch's first
+    commit; retention later removed that first step, whose manifest was the only record of
+    the abandonment, and step 6 came back as the newest step (load() returned it, save(6)
+    was refused). Retention now retires abandoned steps before it removes anything."""
+    coord, actor = open_job(tmp_path, keep_last=10)
+    for step in range(1, 7):
+        await save(coord, actor, step, "old")
+    assert (await coord.load(step=2)).step == 2
+    coord.config.keep_last = 2
+    FAILS[("delete", "step-6/COMMIT")] = 1  # its removal right after the commit fails
+    await save(coord, actor, 3, "new")
+    assert layout.committed_steps(str(tmp_path)) == [1, 2, 3, 6]  # 6: there, abandoned
+    await save(coord, actor, 4, "new")
+    await save(coord, actor, 5, "new")  # retention removes step 3
+    assert layout.committed_steps(str(tmp_path)) == [4, 5]
+    loaded = await coord.load()
+    assert loaded.step == 5 and actor.v == 51
+    await save(coord, actor, 6, "new")  # the abandoned step's number is free
+    coord.close()
+    again, actor = open_job(tmp_path, keep_last=2)
+    assert (await again.load()).step == 6 and actor.v == 61
+    again.close()
+
+
+async def test_a_step_of_unknown_outcome_is_abandoned_by_a_rollback(tmp_path):
+    """Seed 3299: step 4's commit failed writing the lease's record (outcome unknown), so a
+    rollback to step 2 did not list it as abandoned; the next record written (the new
+    branch's step 3) recorded step 4 as well, and it came back as the newest step. A
+    rollback now abandons every step newer than its point that has a marker."""
+    coord, actor = open_job(tmp_path, keep_last=10)
+    for step in range(1, 4):
+        await save(coord, actor, step, "old")
+    FAILS[("replace", layout.LEASE)] = 1  # the record of step 4 is never written
+    with pytest.raises(CheckpointSaveError, match="outcome is unknown"):
+        await save(coord, actor, 4, "old")
+    assert (await coord.load(step=2)).step == 2
+    await save(coord, actor, 3, "new")
+    assert layout.committed_steps(str(tmp_path)) == [1, 2, 3]
+    loaded = await coord.load()
+    assert loaded.step == 3 and actor.v == 31
+    coord.close()
+    again, actor = open_job(tmp_path, keep_last=10)
+    assert (await again.load()).step == 3 and actor.v == 31
+    again.close()
