@@ -82,22 +82,27 @@ def set_aside(store: Storage, step: int) -> None:
 def put_back(store: Storage, lease: Lease) -> list[int]:
     """Undo `set_aside` for every step whose replacement never committed (recording it in
     the lease again: the new step's preparation took it out); drop the copies of those
-    whose replacement did."""
+    whose replacement did, and half copies (no marker: a move that failed or crashed before
+    the marker arrived, or after it left; the whole step is elsewhere, or was retired)."""
     back = []
     for name in store.list(ASIDE):
         step = layout.parse_step(name)
         if step is None:
             continue
+        aside, marker = f"{ASIDE}/{name}", f"{ASIDE}/{name}/{layout.MARKER}"
         if layout.is_committed(store, step):  # the new step N committed (and recorded)
-            store.delete_prefix(f"{ASIDE}/{name}")
+            store.delete_prefix(aside)
+            continue
+        try:
+            generation = layout.marker_generation(store.read(marker))
+        except FileNotFoundError:
+            store.delete_prefix(aside)
             continue
         store.delete_prefix(name)  # the uncommitted new step's files
-        marker = f"{ASIDE}/{name}/{layout.MARKER}"
-        generation = layout.marker_generation(store.read(marker))
         # Recorded before it moves (its marker goes last in): at every moment one whole copy
         # counts, here or aside, and a crash in between is finished by the next start.
         lease.record(step, generation if generation is not None else lease.generation)
-        store.move_prefix(f"{ASIDE}/{name}", name, first=marker)
+        store.move_prefix(aside, name, first=marker)
         back.append(step)
     return back
 

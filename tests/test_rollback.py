@@ -136,3 +136,23 @@ async def test_a_step_of_unknown_outcome_is_abandoned_by_a_rollback(tmp_path):
     again, actor = open_job(tmp_path, keep_last=10)
     assert (await again.load()).step == 3 and actor.v == 31
     again.close()
+
+
+async def test_a_half_copy_set_aside_never_blocks_the_next_start(tmp_path):
+    """Seed 751: on S3 a move is copies then deletes. Putting a set-aside step back failed
+    after the copy's marker left and before its other objects did; the branch went on and
+    retired that step. Every later start then failed reading the copy's marker, so the
+    folder could never be opened again. A copy without a marker is a half copy: dropped."""
+    coord, actor = open_job(tmp_path, keep_last=10)
+    for step in range(1, 4):
+        await save(coord, actor, step, "old")
+    coord.close()
+    half = tmp_path / "replaced" / "step-5"  # what the failed move left: files, no marker
+    (half / "actors").mkdir(parents=True)
+    (half / "actors" / "a.0.msgpack").write_bytes(b"x" * 10)
+    (half / layout.MANIFEST).write_bytes(b"{}")
+    again, actor = open_job(tmp_path, keep_last=10)
+    assert not half.exists()
+    assert (await again.load()).step == 3 and actor.v == 30
+    await save(again, actor, 4, "old")
+    again.close()

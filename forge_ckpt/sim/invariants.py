@@ -10,7 +10,8 @@
   it was (or its error names what was applied).
 - I5 folders: nothing outside the job's folder changes (a sibling folder that shares its
   name's prefix keeps its objects and its unfinished upload).
-- I6 bounded: no call waits forever (the loop's deadlock detection).
+- I6 bounded: no call waits forever (the loop's deadlock detection), and a folder can always be
+  opened again (a run of failed opens is a violation).
 - I7 no false alarm: a job is told that another writer took its folder only if one did
   (a lost reply to its own conditional write is not another writer).
 """

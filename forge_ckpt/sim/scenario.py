@@ -27,6 +27,7 @@ from .loop import Crash, Deadlock, run_io
 from .world import PROC, Proc, World
 
 TTL = 30.0
+OPEN_TRIES = 20  # consecutive failed opens that count as never
 
 
 @dataclass
@@ -51,7 +52,8 @@ class Job:
                        identity=self.proc.identity())  # fmt: skip
 
     async def open(self) -> CheckpointCoordinator:
-        while True:
+        failed = 0  # opens that took the lease and then failed: faults are rare, so a run
+        while True:  # of them is a folder that can never be opened again (I6)
             try:
                 coord = CheckpointCoordinator(self.config, runtime=self.runtime())
             except (CheckpointLockedError, OSError):
@@ -60,6 +62,9 @@ class Job:
             except CheckpointError as e:
                 if "cannot open" not in str(e):
                     raise
+                failed += 1
+                if failed >= OPEN_TRIES:
+                    raise Violation("I6 bounded", f"{self.name} cannot open: {_brief(e)}") from e
                 await asyncio.sleep(TTL / 2)
                 continue
             self.oracle.opened(coord._lease.generation)
