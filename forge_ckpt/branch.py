@@ -51,6 +51,17 @@ def _committed(store: Storage) -> dict[int, layout.Manifest]:
     return found
 
 
+def is_present(store: Storage, step: int, created: float) -> bool:
+    """Whether the committed step `step` in the folder is the one created at `created` (and
+    not a newer step of the same number)."""
+    if not layout.is_marked(store, step):
+        return False
+    try:
+        return layout.read_committed(store, step).created == created
+    except CheckpointCorruptError:
+        return False
+
+
 def abandoned_by(store: Storage, branch_from: int) -> list[tuple[int, float]]:
     """What a new branch from `branch_from` abandons: every step newer than it with a
     readable COMMIT, recorded in the lease or not. A step whose commit's outcome was unknown
@@ -73,7 +84,9 @@ ASIDE = "replaced"
 
 
 def set_aside(store: Storage, step: int) -> None:
-    """Move committed step `step` out of the way of a new step with its number."""
+    """Move committed step `step` out of the way of a new step with its number. Under the
+    lease, checked first: a job that lost it must not move its successor's step away."""
+    commit._writer(store, f"set step {step} aside", fresh=True)
     name = layout.step_name(step)
     store.makedirs(ASIDE)
     store.move_prefix(name, f"{ASIDE}/{name}", first=f"{name}/{layout.MARKER}")

@@ -106,16 +106,16 @@ def _another_writer(step: int, e: BaseException) -> CheckpointSaveError:
     )
 
 
-def _writer(store: Storage, what: str, fence: Any = None) -> Lease | None:
+def _writer(store: Storage, what: str, fence: Any = None, fresh: bool = False) -> Lease | None:
     """The caller's lease on `store`: the one `fence` is a method of, else this process's
     (None: none). Refuses if it was lost to another job (a holder that stalled past a third of
-    its TTL renews first, and so learns it)."""
+    its TTL renews first, and so learns it). `fresh`: renew now (see `Lease.check`)."""
     lease = getattr(fence, "__self__", None)
     if not isinstance(lease, Lease) or lease.store is not store:
         lease = lease_of(store)
     if lease is not None:
         try:
-            lease.check()
+            lease.check(fresh)
         except CheckpointLockedError as e:
             raise CheckpointLockedError(
                 f"cannot {what} in {store.url}: {e}. Whatever this job left there is "
@@ -142,7 +142,7 @@ def _create(store: Storage, path: str, data: bytes, lease: Lease | None) -> None
     # longer than the TTL, and what is there may be the committed step of the job that took
     # the folder over meanwhile (check() renews, and so learns it, once a third of the TTL
     # has passed since the last renewal).
-    lease.check()
+    lease.check(fresh=True)
     log.warning("removing %s: a late write of a writer that lost the lease", store.where(path))
     store.delete(path)
     store.create(path, data)
@@ -150,7 +150,7 @@ def _create(store: Storage, path: str, data: bytes, lease: Lease | None) -> None
 
 def remove_step(store: Storage, step: int) -> None:
     """Remove a step, marker first, so that it is never seen half-deleted."""
-    lease = _writer(store, f"remove step {step}")
+    lease = _writer(store, f"remove step {step}", fresh=True)
     name = layout.step_name(step)
     store.delete(f"{name}/{layout.MARKER}")  # durable before anything else goes
     if lease is not None:
@@ -168,7 +168,7 @@ def remove_if_uncommitted(store: Storage, step: int) -> bool:
         log.warning("step %d has a commit marker: not removing it", step)
         return False
     if lease is not None:
-        lease.check()  # again, right before the delete: the look may have taken long
+        lease.check(fresh=True)  # again, right before the delete: the look may have taken long
     store.delete_prefix(layout.step_name(step))
     return True
 
@@ -176,7 +176,7 @@ def remove_if_uncommitted(store: Storage, step: int) -> bool:
 def quarantine_step(store: Storage, step: int) -> str:
     """Move a damaged committed step aside (kept for inspection, reported by `forge-ckpt
     list`), so that the same step number can be committed again."""
-    lease = _writer(store, f"quarantine step {step}")
+    lease = _writer(store, f"quarantine step {step}", fresh=True)
     # The time says when; the suffix keeps two quarantines of one step in a second apart.
     dest = f"{layout.QUARANTINE}/{layout.step_name(step)}.{int(time.time())}-{uuid.uuid4().hex[:6]}"
     store.makedirs(layout.QUARANTINE)

@@ -87,6 +87,7 @@ class CheckpointCoordinator:
         self._groups: dict[str, Group] = {}
         self._pending: asyncio.Task | None = None
         self._branch_from: int | None = None  # set by a load of an older step (rollback)
+        self._abandons: list[tuple[int, float]] = []  # what the rollback found newer
         # store url -> a step no newer than which anything is committed there (we are the
         # only writer): a save of a newer step skips listing the steps before its cut.
         self._newest_seen: dict[str, int] = {}
@@ -226,8 +227,11 @@ class CheckpointCoordinator:
         rollback). Refuses a step older than the newest of either tier. A step of the
         abandoned branch with this very number is replaced explicitly: it goes first."""
         if self._branch_from is not None and step > self._branch_from:
-            abandons = branch.abandoned_by(self.store, self._branch_from)
-            if any(s == step for s, _ in abandons) and layout.is_marked(self.store, step):
+            # What the rollback saw, not what is there now: a step of this new branch whose
+            # commit's outcome was unknown is newer than the branch point too.
+            abandons = list(self._abandons)
+            old = [t for s, t in abandons if s == step]
+            if old and branch.is_present(self.store, step, old[0]):
                 log.warning("rollback: setting step %d of the abandoned branch aside", step)
                 branch.set_aside(self.store, step)
             if self.tier is not None:  # memory steps are copies, not the branch's record
@@ -275,6 +279,8 @@ class CheckpointCoordinator:
             records = await self._persisted(units, result, start)
             manifest = self._manifest(groups, result.step, records, result.seconds, extra)
             manifest.supersedes = abandons
+            if manifest.created in [t for s, t in abandons if s == result.step]:
+                manifest.created += 1e-3  # never the abandoned step's identity
             committing = True  # from here on the step may become visible: never abort it
             await self._io(self._commit, manifest, store)
         except BaseException as e:
@@ -298,13 +304,13 @@ class CheckpointCoordinator:
         log.info(
             "committed step %d: %.1f MB in %.2fs", result.step, result.nbytes / 1e6, result.total_s
         )
-        self._branch_from = None  # a new branch (if any) has committed its first step
+        self._branch_from, self._abandons = None, []  # a new branch has committed its first step
         if abandons:  # the abandoned one goes now
             try:
                 await self._io(branch.retire_superseded, self.store)
-            except OSError as e:  # loads skip them; the next start removes them
+            except OSError as e:  # loads skip them; the next save or start removes them
+                self._newest_seen.pop(self.store.url, None)  # their numbers are not free yet
                 log.warning("could not yet remove the abandoned steps: %s", e)
-                return result
         if self.tier is not None and store is self.tier.store:  # maybe persisted, later
             persist = (self._commit, self._retention)
             await self.tier.committed(manifest, self.store, persist, durable)
@@ -318,6 +324,7 @@ class CheckpointCoordinator:
         try:
             removed = await self._io(self._apply_retention)
         except OSError as e:
+            self._newest_seen.pop(self.store.url, None)  # abandoned steps may be left
             log.warning("retention could not run (the next save tries again): %s", e)
             return
         if removed:
@@ -500,10 +507,17 @@ class CheckpointCoordinator:
                             "memory " if nxt[0] else "", nxt[1])  # fmt: skip
                 await self._io(commit.quarantine_step, self.store, candidate)
                 continue
-            newest = max([*marked, *mem], default=None)
-            self._branch_from = loaded.step if newest is not None and loaded.step < newest else None
+            await self._rollback_point(loaded.step, max([*marked, *mem], default=None))
             return loaded
         return None
+
+    async def _rollback_point(self, loaded: int, newest: int | None) -> None:
+        """A load of an older step than the newest starts a branch at the next save: note
+        the steps it will abandon (every newer one with a marker, recorded or not)."""
+        self._branch_from = loaded if newest is not None and loaded < newest else None
+        self._abandons = []
+        if self._branch_from is not None:
+            self._abandons = await self._io(branch.abandoned_by, self.store, loaded)
 
     def _loadable(self) -> list[int]:
         """Marked durable steps, less those a committed newer branch abandoned."""

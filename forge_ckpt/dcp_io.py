@@ -77,7 +77,7 @@ class SeamFileSystem(FileSystemBase):
     def create_stream(self, path: str | os.PathLike, mode: str) -> Generator[Any, None, None]:
         rel = str(path)
         if mode == "wb":
-            with self.store.writer(rel) as w:
+            with self.store.writer(rel, exclusive=True) as w:
                 yield _WriteStream(w)
                 rec = w.close()
             with self._lock:

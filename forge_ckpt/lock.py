@@ -123,7 +123,9 @@ class Lease:
         self._started = clock()
         self._tag: str | None = None
         self._renewed = 0.0  # clock() of the last successful write
-        self._unsure: bytes | None = None  # a write whose outcome is unknown (storage error)
+        # Writes whose outcome is unknown (storage errors) since the last one known to land:
+        # any of them may be what the folder now holds.
+        self._unsure: list[bytes] = []
         self._written: set[int] = set()  # steps the lease object may record now
         self._lost: str | None = None
         self._mutex = threading.Lock()
@@ -224,12 +226,15 @@ class Lease:
         with self._mutex:
             self._write()
 
-    def check(self) -> None:
+    def check(self, fresh: bool = False) -> None:
         """Raise CheckpointLockedError if the lease is known lost; renew it if its last
-        renewal is older than `ttl/3` (a holder that stalled learns now that it was taken over)."""
+        renewal is older than `ttl/3` (a holder that stalled learns now that it was taken over).
+        `fresh`: renew now, before a call that removes or moves files: such a call may land as
+        late as the storage's call bound after it is sent, and must land while the lease
+        still holds (a bound under the TTL, counted from this renewal, not from an older one)."""
         with self._mutex:
             self._check_held()
-            if self.clock() - self._renewed >= self.ttl_s / 3:
+            if fresh or self.clock() - self._renewed >= self.ttl_s / 3:
                 self._write()
 
     def record(self, step: int, generation: int) -> None:
@@ -278,10 +283,10 @@ class Lease:
                 raise CheckpointLockedError(self._lost) from None
             tag = mine
         except OSError:
-            self._unsure = data
+            self._unsure.append(data)
             self._written |= set(self.committed)
             raise
-        self._tag, self._unsure, self._renewed = tag, None, self.clock()
+        self._tag, self._unsure, self._renewed = tag, [], self.clock()
         self._written = set(self.committed)
 
     def _own_write(self, data: bytes) -> str | None:
@@ -292,11 +297,14 @@ class Lease:
             return None
         if current[0] == data:
             return current[1]
-        if self._unsure is not None and current[0] == self._unsure:
+        if current[0] in self._unsure:
             try:
                 return self.store.replace(LEASE, data, current[1])
             except PreconditionFailedError:
                 return None
+            except OSError:  # this write's outcome is unknown too
+                self._unsure.append(data)
+                raise
         return None
 
     def _lose(self) -> None:

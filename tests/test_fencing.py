@@ -50,8 +50,8 @@ class Wrapped(Storage):
     def sub(self, prefix: str) -> Storage:
         return self.inner.sub(prefix)
 
-    def writer(self, path: str) -> Any:
-        return self.inner.writer(path)
+    def writer(self, path: str, exclusive: bool = False) -> Any:
+        return self.inner.writer(path, exclusive)
 
     def publish(self, path: str, data: bytes) -> Any:
         return self.inner.publish(path, data)

@@ -82,6 +82,42 @@ def test_aborted_writer_leaves_nothing(store):
     assert store.abort_uploads("") == 0  # and no multipart upload left behind
 
 
+@pytest.mark.parametrize("size", [100, 11 * MIB])  # one PUT; a multipart upload on S3
+def test_an_exclusive_writer_never_replaces_a_file(store, size):
+    """A step's data files are written exclusively: a stale writer's late write fails and
+    leaves the successor's file whole (it truncated or replaced it), whichever came first."""
+    store.makedirs("d")
+    first = os.urandom(size)
+    rec = store.write("d/f", first)
+    late = store.writer("d/f", exclusive=True) if store.local_path() is None else None
+    if late is not None:  # S3: the condition is checked when the object is completed
+        late.write(os.urandom(size))
+        with pytest.raises(AlreadyExistsError, match="another writer"):
+            late.close()
+        late.abort()
+    else:  # POSIX: at open, before a byte is written (O_TRUNC truncated the file here)
+        with pytest.raises(AlreadyExistsError, match="another writer"):
+            store.writer("d/f", exclusive=True)
+    store.verify("d/f", rec)
+    again = store.writer("d/g", exclusive=True)
+    again.write(first)
+    assert again.close().crc32c == rec.crc32c
+
+
+def test_an_aborted_late_writer_removes_only_its_own_file(tmp_path):
+    """POSIX: a stale writer opened its file before the successor removed the folder and wrote
+    its own under the same name; the stale writer's abort must not unlink the successor's."""
+    store = open_storage(str(tmp_path))
+    store.makedirs("step-1")
+    stale = store.writer("step-1/a", exclusive=True)
+    stale.write(b"stale")
+    store.delete_prefix("step-1")  # the successor prepares the step
+    store.makedirs("step-1")
+    rec = store.write("step-1/a", b"successor")
+    stale.abort()
+    store.verify("step-1/a", rec)
+
+
 def test_create_is_exclusive_and_replace_is_compare_and_swap(store):
     tag = store.create("lease", b"one")
     with pytest.raises(AlreadyExistsError):

@@ -182,7 +182,8 @@ class MemoryStorage(Storage):
         return problem
 
     # ---- writing ---------------------------------------------------------------------------
-    def writer(self, path: str) -> Writer:
+    def writer(self, path: str, exclusive: bool = False) -> Writer:
+        """`exclusive` is moot here: a run's memory steps are its own (the incarnation)."""
         return _MemWriter(self, path)
 
     def publish(self, path: str, data: bytes) -> FileRecord:

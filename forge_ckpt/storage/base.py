@@ -36,6 +36,13 @@ class AlreadyExistsError(StorageError):
     """A create-if-absent found the object already there (another writer got there first)."""
 
 
+# Why an exclusive data write found its file there: the folder was prepared empty by the save.
+ANOTHER = (
+    "another writer wrote this step's file (a job or an actor that had lost the folder's lease "
+    "and still wrote); this save is not committed, nothing committed is touched"
+)
+
+
 class PreconditionFailedError(StorageError):
     """A replace-if-unchanged found a different version than the one read."""
 
@@ -245,7 +252,10 @@ class Storage(ABC):
 
     # ---- writing ---------------------------------------------------------------------------
     @abstractmethod
-    def writer(self, path: str) -> Writer: ...
+    def writer(self, path: str, exclusive: bool = False) -> Writer:
+        """A durable, checksummed write of `path`. `exclusive`: create only, AlreadyExistsError
+        if another write made `path` first (a step's data files: a stale writer's late write
+        must never replace or truncate its successor's file)."""
 
     def write(self, path: str, data: Any) -> FileRecord:
         """Write a whole object durably (not atomically visible on POSIX: use `publish`)."""

@@ -19,6 +19,7 @@ from typing import Any
 
 from ..errors import CheckpointCorruptError
 from .base import (
+    ANOTHER,
     CHUNK,
     AlreadyExistsError,
     Checksums,
@@ -55,11 +56,19 @@ class LocalWriter(Writer):
     SMALL = 1 << 20
     BUFFER = 4 << 20
 
-    def __init__(self, full: str, path: str, digest: str | None = None) -> None:
+    def __init__(
+        self, full: str, path: str, digest: str | None = None, exclusive: bool = False
+    ) -> None:
         self.full, self.path = full, path
         self._sums = Checksums(digest)
         fault("open")
-        self._fd = os.open(full, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        flags = os.O_WRONLY | os.O_CREAT | (os.O_EXCL if exclusive else os.O_TRUNC)
+        try:
+            self._fd = os.open(full, flags, 0o644)
+        except FileExistsError:
+            raise AlreadyExistsError(errno.EEXIST, f"{full} already exists: {ANOTHER}") from None
+        st = os.fstat(self._fd)
+        self._id = (st.st_dev, st.st_ino)  # the file this writer made, whatever its name is now
         self._buf = bytearray()
 
     def write(self, data: Any) -> None:
@@ -97,12 +106,16 @@ class LocalWriter(Writer):
         return self._sums.record(self.path)
 
     def abort(self) -> None:
+        """Remove the partial file, if the name is still ours: a successor may have removed
+        the folder and written its own file under this name since."""
         self._buf = bytearray()
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
         try:
-            os.unlink(self.full)
+            now = os.stat(self.full)
+            if (now.st_dev, now.st_ino) == self._id:
+                os.unlink(self.full)
         except FileNotFoundError:
             pass
 
@@ -123,8 +136,8 @@ class LocalStorage(Storage):
         return self._p(path)
 
     # ---- writing ---------------------------------------------------------------------------
-    def writer(self, path: str) -> LocalWriter:
-        return LocalWriter(self._p(path), path, self.digest)
+    def writer(self, path: str, exclusive: bool = False) -> LocalWriter:
+        return LocalWriter(self._p(path), path, self.digest, exclusive)
 
     def _write_temp(self, path: str, data: bytes) -> tuple[str, FileRecord]:
         tmp = f"{self._p(path)}.tmp.{os.getpid()}.{uuid.uuid4().hex[:8]}"

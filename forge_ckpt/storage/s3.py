@@ -22,6 +22,7 @@ from typing import Any
 
 from ..errors import CheckpointCorruptError
 from .base import (
+    ANOTHER,
     AlreadyExistsError,
     Checksums,
     FileRecord,
@@ -150,8 +151,8 @@ class S3Storage(Storage):
             raise _translate(e, what, self.where(path), self.opts) from None
 
     # ---- writing ---------------------------------------------------------------------------
-    def writer(self, path: str) -> S3Writer:
-        return S3Writer(self, path)
+    def writer(self, path: str, exclusive: bool = False) -> S3Writer:
+        return S3Writer(self, path, exclusive)
 
     def publish(self, path: str, data: bytes) -> FileRecord:
         return self.write(path, data)  # a PUT is atomic: readers see old or new
@@ -390,8 +391,8 @@ class S3Writer(Writer):
     """Buffers up to one part; small objects are one PUT, large ones a parallel multipart
     upload with at most `max_concurrency` parts in flight (bounded memory)."""
 
-    def __init__(self, store: S3Storage, path: str) -> None:
-        self.store, self.path = store, path
+    def __init__(self, store: S3Storage, path: str, exclusive: bool = False) -> None:
+        self.store, self.path, self.exclusive = store, path, exclusive
         self._buf = bytearray()
         self._sums = Checksums(store.digest)
         self._upload_id: str | None = None
@@ -430,17 +431,32 @@ class S3Writer(Writer):
 
     def close(self) -> FileRecord:
         s = self.store
-        if self._upload_id is None:
-            s._call("write", self.path, s.client.put_object, Key=s.key(self.path),
-                    Body=bytes(self._buf))  # fmt: skip
-        else:
-            if self._buf:
-                self._send_part()
-            parts = _wait_all(self._parts)
-            s._call("write", self.path, s.client.complete_multipart_upload, Key=s.key(self.path),
-                    UploadId=self._upload_id, MultipartUpload={"Parts": parts})  # fmt: skip
+        cond = {"IfNoneMatch": "*"} if self.exclusive else {}
+        try:
+            if self._upload_id is None:
+                s._call("write", self.path, s.client.put_object, Key=s.key(self.path),
+                        Body=bytes(self._buf), **cond)  # fmt: skip
+            else:
+                if self._buf:
+                    self._send_part()
+                parts = _wait_all(self._parts)
+                s._call("write", self.path, s.client.complete_multipart_upload,
+                        Key=s.key(self.path), UploadId=self._upload_id,
+                        MultipartUpload={"Parts": parts}, **cond)  # fmt: skip
+        except PreconditionFailedError:
+            self._check_own()
         self._buf = bytearray()
         return self._sums.record(self.path)
+
+    def _check_own(self) -> None:
+        """After a 412 on an exclusive write: the object holds exactly these bytes (our own
+        try whose reply was lost, retried), or another writer made it first."""
+        try:
+            self.store.verify(self.path, self._sums.record(self.path))
+        except (CheckpointCorruptError, FileNotFoundError):
+            raise AlreadyExistsError(
+                errno.EEXIST, f"{self.store.where(self.path)} already exists: {ANOTHER}"
+            ) from None
 
     def abort(self) -> None:
         for f in self._parts:

@@ -1,0 +1,41 @@
+"""Fixes taken back out, one at a time, to show that the simulation finds what each fixed
+(`python -m forge_ckpt.sim --revert NAME`, tests/test_sim.py). Each undoes one fix in this
+process only, by replacing the fixed function with the old behaviour."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from .. import branch, commit, layout, lock
+from ..storage.s3 import S3Storage
+
+
+def _retire_at_once() -> None:
+    """Fix 2: the first save after load(step=K) retires the newer steps before it commits."""
+
+    def retire_now(store: Any, branch_from: int) -> list:
+        commit.retire_after(store, branch_from)
+        return []
+
+    branch.abandoned_by = retire_now
+
+
+def _own_write_is_another() -> None:
+    """Fix 7: a conditional write whose reply was lost, retried, meets its own write and
+    reads as another writer's."""
+    S3Storage._applied = lambda self, path, data: None  # type: ignore[method-assign]
+    lock.Lease._own_write = lambda self, data: None  # type: ignore[method-assign]
+
+
+def _every_marker_counts() -> None:
+    """Fix 8: readers count every COMMIT, not only those the lease records."""
+    layout.Fence.admits = lambda self, step: True  # type: ignore[method-assign]
+    layout.Fence.problem = lambda self, step, marker: None  # type: ignore[method-assign]
+
+
+REVERTS: dict[str, Callable[[], None]] = {
+    "fix2": _retire_at_once,
+    "fix7": _own_write_is_another,
+    "fix8": _every_marker_counts,
+}
