@@ -34,6 +34,7 @@ from .errors import (
     CheckpointMismatchError,
     CheckpointSaveError,
 )
+from .events import Events
 from .lock import CURRENT as CURRENT_LEASE
 from .lock import Lease
 from .memory.choose import TIER
@@ -91,6 +92,7 @@ class CheckpointCoordinator:
         # only writer): a save of a newer step skips listing the steps before its cut.
         self._newest_seen: dict[str, int] = {}
         self._commit_lock = threading.Lock()  # one commit at a time (a save's, a persist's)
+        self._events = Events(config.on_event)  # one record per save and load (events.py)
         self.tier = open_tier(config, self._lease.release, self.store)  # None: no memory tier
 
     async def _io(self, fn: Callable[..., Any], *args: Any) -> Any:
@@ -153,6 +155,23 @@ class CheckpointCoordinator:
     # ---- save ---------------------------------------------------------------------------
 
     async def save(
+        self, step: int, extra: Any = None, *, durable: bool | None = None
+    ) -> SaveResult:
+        """See `_save`; emits the save's event (async modes: when its background part ends)."""
+        started, tier = time.perf_counter(), TIER[self.tier is not None]
+        try:
+            result = await self._save(step, extra, durable=durable)
+        except BaseException as e:
+            self._events.failed("save", step, tier, started, e)
+            raise
+        pending = self._pending
+        if result.committed or pending is None:
+            self._events.saved(result, tier)
+        else:
+            pending.add_done_callback(lambda t: self._events.background(t, result, tier, started))
+        return result
+
+    async def _save(
         self, step: int, extra: Any = None, *, durable: bool | None = None
     ) -> SaveResult:
         """Save every component at `step` and commit. Sync mode: returns after the commit.
@@ -454,6 +473,19 @@ class CheckpointCoordinator:
             return e
 
     async def load(
+        self, step: int | None = None, exclude: Iterable[str] = (), allow_mismatch: bool = False
+    ) -> LoadResult | None:
+        """See `_load`; emits the load's event."""
+        started = time.perf_counter()
+        try:
+            loaded = await self._load(step, exclude, allow_mismatch)
+        except BaseException as e:
+            self._events.failed("load", step, "durable" if self.tier is None else "?", started, e)
+            raise
+        self._events.loaded(loaded, started)
+        return loaded
+
+    async def _load(
         self, step: int | None = None, exclude: Iterable[str] = (), allow_mismatch: bool = False
     ) -> LoadResult | None:
         """Restore the newest committed step (or `step`) into every registered component.
