@@ -275,7 +275,7 @@ def copy(
         with copy_progress(console) as progress:
             done = copy_step(store, step, dest, overwrite=overwrite, workers=workers,
                              progress=progress)  # fmt: skip
-    except (CheckpointError, ValueError) as e:
+    except (CheckpointError, ValueError, OSError) as e:
         console.print(f"[red]FAIL[/] {escape(str(e))}")
         raise typer.Exit(1) from None
     console.print(f"committed step {done.step} at {escape(done.dest)}: {done.files} files, "
