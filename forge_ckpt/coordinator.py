@@ -157,7 +157,13 @@ class CheckpointCoordinator:
     async def save(
         self, step: int, extra: Any = None, *, durable: bool | None = None
     ) -> SaveResult:
-        """See `_save`; emits the save's event (async modes: when its background part ends)."""
+        """Save every component at `step` and commit. Sync mode: returns after the commit.
+        Async mode: returns once every component holds its snapshot; `wait()` flushes.
+        Deferred mode: returns once every snapshot call is submitted (the cut: Ray runs the
+        driver's later calls to each actor after it); a trainer rank's copy runs meanwhile
+        and its next optimizer step waits for it. With the memory tier, `durable` says
+        whether this step is also persisted (default: every `durable_every`-th save).
+        Emits one `CheckpointEvent` (async modes: when the background part ends)."""
         started, tier = time.perf_counter(), TIER[self.tier is not None]
         try:
             result = await self._save(step, extra, durable=durable)
@@ -174,12 +180,7 @@ class CheckpointCoordinator:
     async def _save(
         self, step: int, extra: Any = None, *, durable: bool | None = None
     ) -> SaveResult:
-        """Save every component at `step` and commit. Sync mode: returns after the commit.
-        Async mode: returns once every component holds its snapshot; `wait()` flushes.
-        Deferred mode: returns once every snapshot call is submitted (the cut: Ray runs the
-        driver's later calls to each actor after it); a trainer rank's copy runs meanwhile
-        and its next optimizer step waits for it. With the memory tier, `durable` says
-        whether this step is also persisted (default: every `durable_every`-th save)."""
+        """The save itself; `save` emits its event."""
         await self.wait(persisting=False)
         self._check_open()
         store, spec = self._target(self.tier is not None)
@@ -475,7 +476,12 @@ class CheckpointCoordinator:
     async def load(
         self, step: int | None = None, exclude: Iterable[str] = (), allow_mismatch: bool = False
     ) -> LoadResult | None:
-        """See `_load`; emits the load's event."""
+        """Restore the newest committed step (or `step`) into every registered component.
+
+        Returns None on a folder without committed steps. `exclude` skips components by name;
+        "optimizer" keeps the trainer's fresh optimizer (weights-only fine-tuning). With
+        `fallback`, a damaged step is moved to `quarantine/` and the next older one loaded.
+        Emits one `CheckpointEvent`."""
         started = time.perf_counter()
         try:
             loaded = await self._load(step, exclude, allow_mismatch)
@@ -488,12 +494,7 @@ class CheckpointCoordinator:
     async def _load(
         self, step: int | None = None, exclude: Iterable[str] = (), allow_mismatch: bool = False
     ) -> LoadResult | None:
-        """Restore the newest committed step (or `step`) into every registered component.
-
-        Returns None on a folder without committed steps. `exclude` skips components by name;
-        "optimizer" keeps the trainer's fresh optimizer (weights-only fine-tuning). With
-        `fallback`, a damaged step is moved to `quarantine/` and the next older one loaded.
-        """
+        """The load itself; `load` emits its event."""
         await self._settle()
         self._check_open()
         self._newest_seen.clear()
