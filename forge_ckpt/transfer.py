@@ -92,6 +92,14 @@ def copy_step(
     try:
         _copy_under_lease(source, target, step, (data, signature, manifest), overwrite, workers,
                           progress)  # fmt: skip
+    except CheckpointCorruptError as e:
+        if layout.is_committed(source, step):
+            raise
+        raise CheckpointError(
+            f"step {step} of {source.url} was removed while it was copied (retention or a "
+            f"rollback of the job writing that folder?): {e}. Nothing was committed at "
+            f"{target.url}; copy a newer step"
+        ) from e
     finally:
         lease.release()
     name = layout.step_name(step)

@@ -26,6 +26,7 @@ from forge_ckpt import (
     CheckpointCorruptError,
     CheckpointError,
     CheckpointLockedError,
+    commit,
     copy_step,
     layout,
 )
@@ -216,3 +217,18 @@ def test_killed_copy_to_s3_after_its_marker(source, s3_folder, keys):
     copy_step(src, STEP, s3_folder.url, dest_options=opts)
     assert forge_ckpt.committed_steps(s3_folder.url, opts) == [STEP]
     same_files(src, s3_folder.url, opts)
+
+
+def test_source_step_removed_while_copied(source, tmp_path):
+    """Retention of the job writing the source folder removes the step mid-copy: the error
+    says so (not "corrupt"), and nothing is committed at the destination."""
+    src = str(tmp_path / "src")
+    shutil.copytree(source[0], src)
+
+    def retention(path, size, done, total):  # after the first file
+        commit.remove_step(open_storage(src), STEP)
+
+    dest = str(tmp_path / "dest")
+    with pytest.raises(CheckpointError, match="was removed while it was copied"):
+        copy_step(src, STEP, dest, workers=1, progress=retention)
+    assert layout.all_steps(dest) == []
