@@ -51,12 +51,16 @@ def source(ray_local, tmp_path_factory):
         coord = CheckpointCoordinator(CheckpointConfig(folder=path, signing_key=KEY))
         sampler = Sampler.remote(3)
         coord.register("sampler", sampler)
-        coord.set_trainer(make_trainer_ranks(1))
+        trainer = make_trainer_ranks(1)
+        coord.set_trainer(trainer)
         for step in (1, 2):
             await sampler.step.remote()
             await coord.save(step, extra={"policy_version": step})
         coord.close()
-        return await sampler.get_history.remote()
+        history = await sampler.get_history.remote()
+        for a in [sampler, *trainer]:  # the module's tests need their resources
+            ray.kill(a)
+        return history
 
     return path, asyncio.run(make())
 
