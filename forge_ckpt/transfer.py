@@ -121,8 +121,8 @@ def _check_folders(source: Storage, target: Storage) -> None:
 def read_source(
     source: Storage, step: int, signer: Signer
 ) -> tuple[bytes, str | None, layout.Manifest]:
-    """The committed step's manifest bytes (read once: what is copied is what was checked),
-    the signature its COMMIT carries, and the parsed manifest."""
+    """The committed step's manifest bytes (those copied, tied by their CRC to the marker that
+    was checked), the signature its COMMIT carries, and the parsed manifest."""
     layout.read_committed(source, step, signer if signer.active else None)
     if step in branch.superseded(source):
         raise CheckpointError(
