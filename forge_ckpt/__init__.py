@@ -28,6 +28,7 @@ from .remote_errors import is_lost  # noqa: E402
 from .reshard import ReshardRule  # noqa: E402
 from .results import LoadResult, SaveResult  # noqa: E402
 from .storage import StorageError  # noqa: E402
+from .transfer import CopyResult, copy_step  # noqa: E402
 
 __all__ = [
     "CheckpointConfig",
@@ -39,6 +40,7 @@ __all__ = [
     "CheckpointSaveError",
     "CheckpointSignatureError",
     "Checkpointable",
+    "CopyResult",
     "Immutable",
     "InvalidNameError",
     "LoadResult",
@@ -49,6 +51,7 @@ __all__ = [
     "TrainerCheckpointer",
     "TrainerMixin",
     "committed_steps",
+    "copy_step",
     "describe_failure",
     "immutable",
     "is_lost",

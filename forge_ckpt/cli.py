@@ -5,6 +5,7 @@ forge-ckpt inspect STEP_FOLDER  manifest, components, tensor shapes and dtypes
 forge-ckpt verify STEP_FOLDER   every file against its size and crc32c (exit 1 if any fails)
 forge-ckpt gc FOLDER            remove uncommitted steps (takes the folder's lease)
 forge-ckpt export STEP_FOLDER OUT --format safetensors   the model weights for HF tooling
+forge-ckpt copy STEP_FOLDER DEST_FOLDER   a committed step into another folder, committed there
 
 FOLDER is a local path or `s3://bucket/prefix` (endpoint and credentials from the AWS
 environment: AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ...); STEP_FOLDER is FOLDER/step-N.
@@ -255,6 +256,30 @@ def _export_source(step: str, folder: str | None) -> tuple[Storage, int]:
     if not step.isdigit():
         raise typer.BadParameter(f"{step!r}: with --folder, STEP is a step number or 'latest'")
     return store, int(step)
+
+
+@app.command()
+def copy(
+    step_folder: Annotated[str, typer.Argument(metavar="SRC_STEP", help="FOLDER/step-N")],
+    dest: Annotated[str, typer.Argument(metavar="DEST_FOLDER", help="a checkpoint folder")],
+    overwrite: Annotated[bool, typer.Option(help="replace step-N if DEST has it")] = False,
+    workers: Annotated[int, typer.Option(min=1, help="files copied at once")] = 4,
+) -> None:
+    """Copy a committed step into another checkpoint folder (local or s3://), every file
+    checked against the manifest, committed there like a save (docs/copy.md); exit 1 if the
+    step or a file is bad, DEST is leased by a live job or already has the step."""
+    from .transfer import copy_progress, copy_step
+
+    store, step = _step_of(step_folder)
+    try:
+        with copy_progress(console) as progress:
+            done = copy_step(store, step, dest, overwrite=overwrite, workers=workers,
+                             progress=progress)  # fmt: skip
+    except (CheckpointError, ValueError, OSError) as e:
+        console.print(f"[red]FAIL[/] {escape(str(e))}")
+        raise typer.Exit(1) from None
+    console.print(f"committed step {done.step} at {escape(done.dest)}: {done.files} files, "
+                  f"{_mb(done.nbytes)} in {done.seconds:.1f}s")  # fmt: skip
 
 
 def main() -> None:

@@ -71,8 +71,35 @@ def commit_step(
     if this writer lost the folder to another.
     """
     lease = _writer(store, f"commit step {manifest.step}", fence)
-    name = layout.step_name(manifest.step)
-    data = manifest.to_bytes()
+    sign = signer.sign if signer is not None else _unsigned
+    _commit(store, manifest.step, manifest.to_bytes(), manifest.generation, lease, fence, sign)
+
+
+def commit_copy(store: Storage, step: int, data: bytes, signature: str | None) -> None:
+    """Commit a step whose files were copied in from another folder (forge_ckpt.transfer):
+    its manifest byte for byte (so the signature of it, carried over, stays valid), then a
+    COMMIT naming this writer's lease generation, then the record. Only under a lease."""
+    lease = _writer(store, f"commit the copy of step {step}")
+    if lease is None:
+        raise CheckpointLockedError(f"{store.url}: a copied step is committed under a lease only")
+    _commit(store, step, data, lease.generation, lease, None, lambda _data: signature)
+
+
+def _unsigned(_data: bytes) -> str | None:
+    return None
+
+
+def _commit(
+    store: Storage,
+    step: int,
+    data: bytes,
+    generation: int,
+    lease: Lease | None,
+    fence: Callable[[], None] | None,
+    sign: Callable[[bytes], str | None],
+) -> None:
+    """The protocol's last writes: manifest, COMMIT, record (see commit_step)."""
+    name = layout.step_name(step)
     try:
         for sub in (layout.ACTORS, layout.TRAINER, ""):
             store.sync_dir(f"{name}/{sub}" if sub else name)
@@ -81,22 +108,19 @@ def commit_step(
             lease.check()  # a holder that knows it was taken over writes no COMMIT
         if fence is not None and (lease is None or fence != lease.renew):
             fence()
-        signature = signer.sign(data) if signer is not None else None
-        marker = layout.marker_bytes(
-            manifest.step, crc32c_of_bytes(data), manifest.generation, signature
-        )
+        marker = layout.marker_bytes(step, crc32c_of_bytes(data), generation, sign(data))
     except AlreadyExistsError as e:
-        raise _another_writer(manifest.step, e) from None
+        raise _another_writer(step, e) from None
     except OSError as e:  # no COMMIT was written: certainly not committed
         e.not_committed = True  # type: ignore[attr-defined]
         raise
     try:
         _create(store, f"{name}/{layout.MARKER}", marker, lease)
     except AlreadyExistsError as e:
-        raise _another_writer(manifest.step, e) from None
+        raise _another_writer(step, e) from None
     store.sync_dir("")
     if lease is not None:
-        lease.record(manifest.step, manifest.generation)  # the commit point
+        lease.record(step, generation)  # the commit point
 
 
 def _another_writer(step: int, e: BaseException) -> CheckpointSaveError:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -57,6 +58,8 @@ class CheckpointConfig:
     memory_budget_bytes / memory_keep: each holder's byte budget, and how many newest memory
         steps it keeps when a new file needs room; a file that does not fit fails the save.
     memory_namespace: the Ray namespace of the (detached, named) holder actors.
+    on_event: called with a `forge_ckpt.events.CheckpointEvent` after every save, persist and
+        load (docs/api.md); in code only, never from YAML. Also logged to `forge_ckpt.events`.
     """
 
     folder: str
@@ -81,8 +84,13 @@ class CheckpointConfig:
     memory_budget_bytes: int = 8 * 1024**3
     memory_keep: int = 2
     memory_namespace: str = "forge_ckpt"
+    on_event: Callable[[Any], Any] | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        if self.on_event is not None and not callable(self.on_event):
+            raise ValueError(
+                f"on_event must be a callable (given in code, not in YAML), got {self.on_event!r}"
+            )
         self.folder = normalize_url(str(self.folder))
         if self.folder.startswith("mem://"):
             raise ValueError(

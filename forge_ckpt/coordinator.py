@@ -34,6 +34,7 @@ from .errors import (
     CheckpointMismatchError,
     CheckpointSaveError,
 )
+from .events import Events
 from .lock import CURRENT as CURRENT_LEASE
 from .lock import Lease
 from .memory.choose import TIER
@@ -92,6 +93,7 @@ class CheckpointCoordinator:
         # only writer): a save of a newer step skips listing the steps before its cut.
         self._newest_seen: dict[str, int] = {}
         self._commit_lock = threading.Lock()  # one commit at a time (a save's, a persist's)
+        self._events = Events(config.on_event)  # one record per save and load (events.py)
         self.tier = open_tier(config, self._lease.release, self.store)  # None: no memory tier
 
     async def _io(self, fn: Callable[..., Any], *args: Any) -> Any:
@@ -161,7 +163,25 @@ class CheckpointCoordinator:
         Deferred mode: returns once every snapshot call is submitted (the cut: Ray runs the
         driver's later calls to each actor after it); a trainer rank's copy runs meanwhile
         and its next optimizer step waits for it. With the memory tier, `durable` says
-        whether this step is also persisted (default: every `durable_every`-th save)."""
+        whether this step is also persisted (default: every `durable_every`-th save).
+        Emits one `CheckpointEvent` (async modes: when the background part ends)."""
+        started, tier = time.perf_counter(), TIER[self.tier is not None]
+        try:
+            result = await self._save(step, extra, durable=durable)
+        except BaseException as e:
+            self._events.failed("save", step, tier, started, e)
+            raise
+        pending = self._pending
+        if result.committed or pending is None:
+            self._events.saved(result, tier)
+        else:
+            pending.add_done_callback(lambda t: self._events.background(t, result, tier, started))
+        return result
+
+    async def _save(
+        self, step: int, extra: Any = None, *, durable: bool | None = None
+    ) -> SaveResult:
+        """The save itself; `save` emits its event."""
         await self.wait(persisting=False)
         self._check_open()
         store, spec = self._target(self.tier is not None)
@@ -477,7 +497,20 @@ class CheckpointCoordinator:
         Returns None on a folder without committed steps. `exclude` skips components by name;
         "optimizer" keeps the trainer's fresh optimizer (weights-only fine-tuning). With
         `fallback`, a damaged step is moved to `quarantine/` and the next older one loaded.
-        """
+        Emits one `CheckpointEvent`."""
+        started = time.perf_counter()
+        try:
+            loaded = await self._load(step, exclude, allow_mismatch)
+        except BaseException as e:
+            self._events.failed("load", step, "durable" if self.tier is None else "?", started, e)
+            raise
+        self._events.loaded(loaded, started)
+        return loaded
+
+    async def _load(
+        self, step: int | None = None, exclude: Iterable[str] = (), allow_mismatch: bool = False
+    ) -> LoadResult | None:
+        """The load itself; `load` emits its event."""
         await self._settle()
         self._check_open()
         self._newest_seen.clear()

@@ -15,7 +15,8 @@ import signal
 
 import pytest
 
-from apps.grpo import chaos
+from apps.grpo import chaos, plot
+from apps.grpo.metrics import EventsLog
 from forge_ckpt import committed_steps, layout
 
 CONFIG = os.path.join(os.path.dirname(__file__), "..", "configs", "grpo_test.yaml")
@@ -142,6 +143,25 @@ def test_sigterm_commits_the_current_step_and_exits_0(references, tmp_path):
     assert job.resumed_from() == lines
     assert read(os.path.join(run_dir, chaos.METRICS)) == read(os.path.join(ref, chaos.METRICS))
     assert read(os.path.join(run_dir, chaos.WEIGHTS)) == read(os.path.join(ref, chaos.WEIGHTS))
+    loads = [
+        e for e in EventsLog(os.path.join(run_dir, "events.jsonl")).read() if e["kind"] == "load"
+    ]
+    assert [(e["step"], e["outcome"]) for e in loads] == [(None, "skipped"), (lines, "loaded")]
+
+
+def test_events_file_and_its_plot(references, tmp_path):
+    """The uninterrupted run's events.jsonl: a committed save per checkpoint step with every
+    component timed; the plot draws it."""
+    ref = references("base")
+    events = EventsLog(os.path.join(ref, "events.jsonl")).read()
+    saves = [e for e in events if e["kind"] == "save"]
+    assert [e["step"] for e in saves] == list(range(2, 13, 2))  # checkpoint.interval=2
+    components = {"trainer", "dataset", "policy", "reward", "replay"}
+    for e in saves:
+        assert e["outcome"] == "committed" and e["tier"] == "durable" and e["nbytes"] > 0
+        assert set(e["components"]) == components and e["seconds"] >= e["blocked_s"] > 0
+    out = str(tmp_path / "plot.png")
+    assert plot.main([ref, out]) == 0 and os.path.getsize(out) > 0
 
 
 def test_sigterm_during_background_save_commits_and_exits_0(references, tmp_path):

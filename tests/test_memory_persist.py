@@ -102,8 +102,11 @@ async def test_a_step_waiting_to_be_persisted_stays_in_memory(nodes, s3_folder, 
 
 async def test_a_failed_persist_is_raised_after_a_later_one(nodes, s3_folder, tmp_path, caplog):
     """Step 1's persist fails; step 2's starts (and succeeds) after it: the next wait()
-    still raises step 1's failure, once, as the log line says."""
-    coord = CheckpointCoordinator(config(s3_folder.url, s3_folder.options, durable_every=1))
+    still raises step 1's failure, once, as the log line says. Each save and persist emits
+    its event (forge_ckpt.events)."""
+    events: list[Any] = []
+    cfg = config(s3_folder.url, s3_folder.options, durable_every=1, on_event=events.append)
+    coord = CheckpointCoordinator(cfg)
     actor = cu.Buffer.options(**cu.on("head")).remote(0)
     coord.register("dataset", actor)
     gate = str(tmp_path / "gate")
@@ -120,6 +123,13 @@ async def test_a_failed_persist_is_raised_after_a_later_one(nodes, s3_folder, tm
         assert "the next wait() or aclose() raises it" in caplog.text
         assert await coord.wait() is None  # raised once, not again
         assert committed_steps(s3_folder.url, s3_folder.options) == [2]
+        assert [(e.kind, e.step, e.tier, e.outcome) for e in events] == [
+            ("save", 1, "memory", "committed"),
+            ("persist", 1, "durable", "failed"),
+            ("save", 2, "memory", "committed"),
+            ("persist", 2, "durable", "committed"),
+        ]
+        assert events[3].nbytes == events[2].nbytes > 0 and "gate" in str(events[1].error)
     finally:
         coord.close()
 

@@ -44,12 +44,13 @@ from forge_ckpt import (  # noqa: E402
 
 from .chaos import chaos_hook  # noqa: E402
 from .config import ConfigError, fingerprint, load_config  # noqa: E402
-from .metrics import MetricsLog  # noqa: E402
+from .metrics import EventsLog, MetricsLog  # noqa: E402
 from .progress import Progress, summary  # noqa: E402
 from .rl import group_advantages  # noqa: E402
 from .supervisor import RecoveryError, Supervisor, placement  # noqa: E402
 
 CHECKPOINTS, METRICS, FINAL_WEIGHTS = "checkpoints", "metrics.jsonl", "final_weights.safetensors"
+EVENTS = "events.jsonl"  # forge_ckpt's checkpoint events (apps/grpo/metrics.py EventsLog)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -212,7 +213,7 @@ def prepare_run_dir(cfg: dict[str, Any]) -> None:
                 folder=folder, memory_every=memory, fingerprint=fingerprint(cfg)
             )
             CheckpointCoordinator(config).wipe()
-        for name in (METRICS, FINAL_WEIGHTS):
+        for name in (METRICS, FINAL_WEIGHTS, EVENTS):
             if os.path.exists(os.path.join(run_dir, name)):
                 os.remove(os.path.join(run_dir, name))
     os.makedirs(run_dir, exist_ok=True)
@@ -241,6 +242,7 @@ def make_coordinator(cfg: dict[str, Any]) -> CheckpointCoordinator:
         fingerprint=fingerprint(cfg),
         memory_every=int(memory),
         memory_copies=int(ckpt.get("memory_copies", 2)),
+        on_event=EventsLog(os.path.join(cfg["run_dir"], EVENTS)),
     )
     if memory:
         print(f"checkpoints: every step to memory ({config.memory_copies} copies on other "

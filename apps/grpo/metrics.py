@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from typing import Any
 
 
@@ -81,3 +82,25 @@ def split(records: list[dict[str, Any]]) -> tuple[list[dict], list[dict]]:
     """(step records, event records) of a metrics file."""
     events = [r for r in records if "event" in r]
     return [r for r in records if "event" not in r], events
+
+
+class EventsLog:
+    """events.jsonl: forge_ckpt's checkpoint events (one line per save, persist and load, as
+    `CheckpointEvent.to_dict()`), appended as they come, never cut on resume (a save that a
+    crash made redo happened all the same). Kept apart from metrics.jsonl, whose step lines
+    must be byte-equal between a killed and an uninterrupted run: timings never are."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._mutex = threading.Lock()  # a persist's event may come from another task
+
+    def __call__(self, event: Any) -> None:
+        line = json.dumps(event.to_dict(), sort_keys=True) + "\n"
+        with self._mutex, open(self.path, "a") as f:
+            f.write(line)
+
+    def read(self) -> list[dict[str, Any]]:
+        if not os.path.exists(self.path):
+            return []
+        with open(self.path) as f:
+            return [json.loads(line) for line in f if line.strip()]

@@ -16,6 +16,7 @@ from typing import Any
 
 from .. import commit, layout
 from ..errors import CheckpointCorruptError, CheckpointError
+from ..events import CheckpointEvent, Events
 from ..storage import FileRecord, Storage, StorageSpec, open_storage
 from .holders import Identity, alive_nodes, incarnation, run_id_of
 from .placement import HolderRef
@@ -57,6 +58,7 @@ class MemoryTier:
         self._cancelled: asyncio.Task | None = None  # cancel() asked once
         self._failures: list[tuple[int, BaseException]] = []  # persists that failed, unraised
         self._checked_nodes: float | None = None  # the first save looks for new nodes
+        self._events = Events(getattr(config, "on_event", None))
         commit.remove_uncommitted(self.store)  # a crashed driver's half-saved memory step
 
     def _use(self, holders: list[HolderRef]) -> None:
@@ -170,11 +172,20 @@ class MemoryTier:
     ) -> None:
         """Persist, then the folder's retention; a failure is kept (and logged) for the next
         `flush()` / `settle()`; the step is unpinned either way."""
-        step = manifest.step
+        step, started = manifest.step, time.perf_counter()
+        done: bool | None = None  # the persist's outcome (its event), before the retention
         try:
-            await self.persist(manifest, durable, self.config.storage, commit_fn)
+            done = await self.persist(manifest, durable, self.config.storage, commit_fn)
+            self._events.emit(CheckpointEvent("persist", step, "durable",
+                                              "committed" if done else "skipped",
+                                              nbytes=manifest.nbytes if done else 0,
+                                              seconds=time.perf_counter() - started))  # fmt: skip
             await retention()
-        except Exception as error:
+        except BaseException as error:
+            if done is None:
+                self._events.failed("persist", step, "durable", started, error, 0.0)
+            if not isinstance(error, Exception):
+                raise
             e = error
             if not isinstance(e, CheckpointError):
                 e = CheckpointError(
@@ -254,15 +265,15 @@ class MemoryTier:
         durable: Storage,
         durable_spec: StorageSpec,
         commit_fn: Callable[[layout.Manifest], None],
-    ) -> None:
+    ) -> bool:
         """Copy a committed memory step to the durable folder (each holder writes the files
-        it holds), then commit it there with the same manifest. A failure (or cancel) before
-        the commit removes the step's files; once the commit was called they stay, whatever
+        it holds), then commit it there with the same manifest (False: it was already). A
+        failure (or cancel) before the commit removes the step's files; once the commit was called they stay, whatever
         happens: it may have committed (a cancelled task's thread goes on), and a step
         without COMMIT is removed by the next start (or the next persist of that step)."""
         step, name = manifest.step, layout.step_name(manifest.step)
         if step in await asyncio.to_thread(layout.committed_steps, durable):
-            return
+            return False
         await asyncio.to_thread(commit.prepare_step, durable, step)
         try:
             written = await self._holders_write(manifest, durable_spec.child(name))
@@ -279,6 +290,7 @@ class MemoryTier:
             raise
         await asyncio.to_thread(commit_fn, manifest)  # from here on, nothing is removed
         log.info("persisted memory step %d to %s", step, durable.where(name))
+        return True
 
     async def _holders_write(self, manifest: layout.Manifest, spec: StorageSpec) -> list:
         """Each file is written by one live holder that has it, holders in parallel."""
