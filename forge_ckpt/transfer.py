@@ -219,7 +219,7 @@ def copy_file(source: Storage, target: Storage, rec: FileRecord) -> FileRecord:
     """Stream one file, checked against its manifest record before the copy is closed."""
     where = source.where(rec.path)
     sums = Checksums(expected_algo(rec))
-    with target.writer(rec.path) as out:
+    with target.writer(rec.path, exclusive=True) as out:
         while sums.size < rec.size:
             chunk = _read(source, rec.path, sums.size, min(sums.size + CHUNK, rec.size))
             if not chunk:
