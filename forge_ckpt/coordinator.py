@@ -526,6 +526,10 @@ class CheckpointCoordinator:
                 + (f", in memory: {mem or 'none'}" if self.tier is not None else "")
             )
         candidates = load_candidates(mem, marked, step, self.config.fallback)
+        # Read before anything is applied (a load is all or nothing): what a rollback to the
+        # step loaded would abandon.
+        oldest = min((c for _, c in candidates), default=None)
+        newer = [] if oldest is None else await self._io(branch.abandoned_by, self.store, oldest)
         for n, (in_mem, candidate) in enumerate(candidates):
             try:
                 loaded = await self._load_step(candidate, exclude, allow_mismatch, in_mem)
@@ -540,17 +544,19 @@ class CheckpointCoordinator:
                             "memory " if nxt[0] else "", nxt[1])  # fmt: skip
                 await self._io(commit.quarantine_step, self.store, candidate)
                 continue
-            await self._rollback_point(loaded.step, max([*marked, *mem], default=None))
+            self._rollback_point(loaded.step, max([*marked, *mem], default=None), newer)
             return loaded
         return None
 
-    async def _rollback_point(self, loaded: int, newest: int | None) -> None:
+    def _rollback_point(
+        self, loaded: int, newest: int | None, newer: list[tuple[int, float]]
+    ) -> None:
         """A load of an older step than the newest starts a branch at the next save: note
         the steps it will abandon (every newer one with a marker, recorded or not)."""
         self._branch_from = loaded if newest is not None and loaded < newest else None
-        self._abandons = []
-        if self._branch_from is not None:
-            self._abandons = await self._io(branch.abandoned_by, self.store, loaded)
+        self._abandons = (
+            [p for p in newer if p[0] > loaded] if self._branch_from is not None else []
+        )
 
     def _loadable(self) -> list[int]:
         """Marked durable steps, less those a committed newer branch abandoned."""

@@ -44,6 +44,7 @@ class Oracle:
     accepted: dict[int, set[Identity]] = field(default_factory=dict)  # lease gen -> at takeover
     late: set[Identity] = field(default_factory=set)
     branch_point: int | None = None  # the step of the last load(step=K)
+    at_branch: set[Identity] = field(default_factory=set)  # what was seen at that load
     retired: set[Identity] = field(default_factory=set)  # removed with a reason, when seen
     epoch: Callable[[], int] = lambda: -1  # changes whenever storage may have changed
     _cache: tuple[int, dict[Identity, layout.Manifest]] | None = None
@@ -114,6 +115,9 @@ class Oracle:
                 if self.branch_point is None or old[0] <= self.branch_point:
                     raise Violation("I1 no loss", f"step {ident[0]} abandons {old[0]}, "
                                     f"not newer than the rollback to {self.branch_point}")  # fmt: skip
+                if tuple(old) in self.seen and tuple(old) not in self.at_branch:
+                    raise Violation("I1 no loss", f"step {ident[0]} abandons step {old[0]}, "
+                                    "committed after the rollback it branches from")  # fmt: skip
                 self.abandoned.add(tuple(old))  # type: ignore[arg-type]
 
     def committed(self, step: int, branch_from: int | None) -> Identity:
@@ -127,6 +131,11 @@ class Oracle:
             raise Violation("I3 fencing", f"save({step}) reported committed, written late")
         self.observe()
         return ident
+
+    def rolled_back(self, step: int) -> None:
+        """load(step=K): a new branch may abandon what is committed now, nothing later."""
+        self._update()
+        self.branch_point, self.at_branch = step, set(self.seen)
 
     # ---- checks -----------------------------------------------------------------------------
     def check_storage(self) -> None:
@@ -152,6 +161,17 @@ class Oracle:
                     "I3 fencing", f"step {ident[0]} landed after its writer lost the lease "
                     "and readers list it",
                 )  # fmt: skip
+
+    def check_files(self) -> None:
+        """I1 on the data too: every step the product's readers list is whole (its files
+        match its manifest), also after every request still in flight has landed."""
+        for s in layout.committed_steps(self.view):
+            try:
+                m = layout.read_committed(self.view, s)
+                for f in m.files:
+                    self.view.verify(f"{layout.step_name(s)}/{f.path}", f)
+            except CheckpointCorruptError as e:
+                raise Violation("I1 no loss", f"committed step {s} is damaged: {e}") from None
 
     def expected_load(self) -> int | None:
         present = {i: g for i, g in self.present().items()

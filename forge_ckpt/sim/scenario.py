@@ -28,6 +28,8 @@ from .world import PROC, Proc, World
 
 TTL = 30.0
 OPEN_TRIES = 20  # consecutive failed opens that count as never
+CHECK_FILES = os.environ.get("FORGE_SIM_CHECK_FILES", "1") == "1"  # verify data at the end
+CANCEL_SAVES = float(os.environ.get("FORGE_SIM_CANCEL_SAVES", "0.1"))  # share of saves cancelled
 
 
 @dataclass
@@ -133,7 +135,22 @@ class Job:
     async def save(self, step: int) -> None:
         assert self.coord is not None
         try:
-            res = await self.coord.save(step)
+            # A caller's own deadline (asyncio.wait_for) may cancel a save at any await; drawn
+            # from a generator of its own, so that the other draws of a seed stay as they were.
+            if self.w.cancels.random() < CANCEL_SAVES:
+                limit = self.w.cancels.uniform(0.0, 0.05)
+                try:
+                    res = await asyncio.wait_for(self.coord.save(step), limit)
+                except asyncio.TimeoutError:
+                    self.w.log(f"{self.name} save({step}) cancelled by the caller's deadline")
+                    # Its commit may go on in its thread: a real next commit would wait for
+                    # it on the coordinator's commit lock, which a greenlet cannot (one OS
+                    # thread): wait here for the coordinator's storage calls to end instead.
+                    while self.coord._busy:
+                        await asyncio.sleep(0.001)
+                    return
+            else:
+                res = await self.coord.save(step)
         except (CheckpointError, OSError) as e:
             self.w.log(f"{self.name} save({step}) failed: {_brief(e)}")
             self.check_blame(e)
@@ -181,7 +198,8 @@ class Job:
         if res is not None:
             self._check_applied(res.step, res.manifest)
             if step is not None:
-                self.branch_from = self.oracle.branch_point = res.step
+                self.branch_from = res.step
+                self.oracle.rolled_back(res.step)
         return got or 0
 
     def _check_applied(self, step: int, manifest: layout.Manifest) -> None:
@@ -316,6 +334,12 @@ def _run(world: World) -> str | None:
         return f"I6 bounded: {e}"
     finally:
         _drain(world, jobs)
+    try:  # once every request still in flight has landed: are the listed steps whole?
+        if CHECK_FILES:
+            oracle.check_files()
+    except AssertionError as v:
+        world.log(f"VIOLATION {v}")
+        return str(v)
     return None
 
 

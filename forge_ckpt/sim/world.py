@@ -65,6 +65,7 @@ class World:
         self.id = f"w{seed}"  # messages name it: the same seed, the same trace
         self.seed, self.s3, self.ttl = seed, s3, ttl
         self.rng = random.Random(seed)
+        self.cancels = random.Random(seed * 7919 + 1)  # the caller's deadlines (scenario.py)
         self.faults = Faults.draw(self.rng, s3)
         self.clock = Clock()
         self.loop = SimLoop(self.clock)
