@@ -101,8 +101,8 @@ async def test_an_abandoned_step_stays_abandoned_when_retention_removes_its_reco
         await save(coord, actor, step, "old")
     assert (await coord.load(step=2)).step == 2
     coord.config.keep_last = 2
-    FAILS[("delete", "step-6/COMMIT")] = 1  # its removal right after the commit fails
-    await save(coord, actor, 3, "new")
+    FAILS[("delete", "step-6/COMMIT")] = 2  # its removal after the commit fails, and again
+    await save(coord, actor, 3, "new")  # when retention retries it (nothing is removed)
     assert layout.committed_steps(str(tmp_path)) == [1, 2, 3, 6]  # 6: there, abandoned
     await save(coord, actor, 4, "new")
     await save(coord, actor, 5, "new")  # retention removes step 3
