@@ -14,11 +14,10 @@ import os
 import random
 
 import pytest
+from test_grpo_e2e import check_every_prompt_once_per_epoch, check_resumed, read, run_to_end
 
 from apps.grpo import chaos
 from forge_ckpt import committed_steps, layout, serialization
-
-from .test_grpo_e2e import check_every_prompt_once_per_epoch, check_resumed, read, run_to_end
 
 CONFIG = os.path.join(os.path.dirname(__file__), "..", "configs", "grpo_async_test.yaml")
 SLOW = {"FORGE_CKPT_FAULT": "fsync:sleep=0.05"}
@@ -39,9 +38,9 @@ def in_flight_at(folder: str, step: int) -> list[tuple[int, int, int, int]]:
 
 
 def kill_at_random_step(job: chaos.Job, run_dir: str, rng: random.Random) -> chaos.Kill | None:
-    """Kill once a step drawn from `rng` (1 to 3 steps on) has trained: the generators are
-    decoding the next steps then (the moment is a condition, not a sleep)."""
-    target = chaos.metrics_lines(run_dir) + rng.randint(1, 3)
+    """Kill once a step drawn from `rng` (1 to 3 steps on, and past the first save) has
+    trained: the generators are decoding the next steps then (a condition, not a sleep)."""
+    target = max(chaos.metrics_lines(run_dir) + rng.randint(1, 3), 3)
     if not chaos.wait_until(job, lambda: chaos.metrics_lines(run_dir) >= target, 600, 0.001):
         return None
     folder = os.path.join(run_dir, chaos.CHECKPOINTS)

@@ -126,7 +126,9 @@ class AsyncJob:
                     {"seq": seq, "k": k, "step": step, "prompt_id": int(pid), "answer": answer,
                      "prompt": tokens[0], "prompt_valid": valid[0], "version": version}
                 )  # fmt: skip
-        await asyncio.gather(*(g.submit.remote(p) for g, p in zip(self.generators, parts)))
+        await asyncio.gather(
+            *(g.submit.remote(p) for g, p in zip(self.generators, parts, strict=True))
+        )
         await self.queue.note_dispatched.remote(step)
 
     async def collect_until_ready(self, step: int) -> None:

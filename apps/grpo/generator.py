@@ -107,6 +107,11 @@ class Generator(Checkpointable):
             out, self.finished = self.finished, []
         return out
 
+    def decoded(self) -> int:
+        """Tokens this replica has decoded (restored ones included)."""
+        with self.cond:
+            return self.tokens
+
     def in_flight(self) -> list[tuple[int, int, int]]:
         """(seq, k, tokens so far) of every unfinished request."""
         with self.cond:
@@ -181,8 +186,12 @@ class Generator(Checkpointable):
         """Between two tokens: the lock is the one the decode thread holds per token."""
         with self.cond:
             active = [
-                {**r, "out": list(r["out"]), "logprobs": list(r["logprobs"]),
-                 "sampler": self.samplers[key].get_state()}  # fmt: skip
+                {
+                    **r,
+                    "out": list(r["out"]),
+                    "logprobs": list(r["logprobs"]),
+                    "sampler": self.samplers[key].get_state(),
+                }  # fmt: skip
                 for key, r in sorted(self.active.items())
             ]
             return {
@@ -218,8 +227,13 @@ class Generator(Checkpointable):
         `seq % M` (`replica_for`); the stored weight versions stay with replica 0 (the
         owner), the others hold references; token counts are summed into replica 0."""
         out = [
-            {"active": [], "finished": [], "weights": {}, "latest": states[0]["latest"],
-             "tokens": 0}  # fmt: skip
+            {
+                "active": [],
+                "finished": [],
+                "weights": {},
+                "latest": states[0]["latest"],
+                "tokens": 0,
+            }  # fmt: skip
             for _ in range(replicas)
         ]
         for s in states:
@@ -239,6 +253,4 @@ def _as_refs(state: dict[str, Any]) -> dict[str, Any]:
     """Replica 0's weight entries with its stored tensors turned into owner references."""
     from forge_ckpt.weights import is_ref, owner_ref
 
-    return {
-        v: e if is_ref(e) else owner_ref(int(v), OWNER) for v, e in state["weights"].items()
-    }
+    return {v: e if is_ref(e) else owner_ref(int(v), OWNER) for v, e in state["weights"].items()}
