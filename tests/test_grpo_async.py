@@ -18,6 +18,7 @@ from test_grpo_e2e import check_every_prompt_once_per_epoch, check_resumed, read
 
 from apps.grpo import chaos
 from forge_ckpt import committed_steps, layout, serialization
+from forge_ckpt.weights import is_ref
 
 CONFIG = os.path.join(os.path.dirname(__file__), "..", "configs", "grpo_async_test.yaml")
 SLOW = {"FORGE_CKPT_FAULT": "fsync:sleep=0.05"}
@@ -35,6 +36,19 @@ def in_flight_at(folder: str, step: int) -> list[tuple[int, int, int, int]]:
         state = serialization.load(path)["state"]
         out += [(j, int(r["seq"]), int(r["k"]), len(r["out"])) for r in state["active"]]
     return out
+
+
+def check_weights_stored_once(folder: str, step: int, lag: int = 1) -> None:
+    """The generators hold versions step-lag .. step: the trainer's (step) is a reference in
+    every file, an older one is tensors in replica 0's file and a reference in the others'."""
+    for j in range(8):
+        path = os.path.join(layout.step_dir(folder, step), layout.actor_file("generators", j))
+        if not os.path.exists(path):
+            break
+        held = serialization.load(path)["state"]["weights"]
+        assert held[str(step)] == {"ref": "trainer", "version": step}
+        for v in range(max(0, step - lag), step):
+            assert is_ref(held[str(v)]) == (j > 0), (j, v, held[str(v)])
 
 
 def kill_at_random_step(job: chaos.Job, run_dir: str, rng: random.Random) -> chaos.Kill | None:
@@ -72,16 +86,18 @@ def test_async_job_killed_mid_generation_resumes_bitwise(reference, tmp_path):
         assert kill is not None, f"job ended before kill {n}"
         step = kill.committed_at_kill[-1] if kill.committed_at_kill else 0
         requests = in_flight_at(folder, step) if step else []
+        if step:
+            check_weights_stored_once(folder, step)
         print(f"kill {n} ({moment}): resumes from step {step}; in flight there: {requests}")
         captured.append(requests)
         previous = kill
     job = run_to_end(run_dir, overrides, {}, str(tmp_path / "last.log"), CONFIG)
     check_resumed(job, previous)
-    # several kills found generations mid-sequence in the step they resume from
-    partial = [r for r in captured if any(tokens > 0 for *_, tokens in r)]
-    assert len(partial) >= 2, captured
     assert "GRPO async: resumed in-flight requests" in read(job.log).decode()
     assert layout.committed_steps(folder)[-1] == 12
     for name in (chaos.METRICS, chaos.WEIGHTS):
         assert read(os.path.join(run_dir, name)) == read(os.path.join(reference, name)), name
     check_every_prompt_once_per_epoch(os.path.join(run_dir, chaos.METRICS))
+    # several kills found generations mid-sequence in the step they resume from
+    partial = [r for r in captured if any(tokens > 0 for *_, tokens in r)]
+    assert len(partial) >= 2, captured

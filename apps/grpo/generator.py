@@ -66,6 +66,7 @@ class Generator(Checkpointable):
         self.samplers: dict[tuple[int, int], torch.Generator] = {}
         self.finished: list[dict[str, Any]] = []
         self.tokens = 0  # tokens decoded by this replica (progress; saved)
+        self.tokens_since_load = 0  # not saved: what a resumed replica decoded (benchmarks)
         self.cond = threading.Condition()
         threading.Thread(target=self._decode_loop, daemon=True).start()
 
@@ -107,10 +108,10 @@ class Generator(Checkpointable):
             out, self.finished = self.finished, []
         return out
 
-    def decoded(self) -> int:
-        """Tokens this replica has decoded (restored ones included)."""
+    def decoded(self, since_load: bool = False) -> int:
+        """Tokens this replica has decoded (restored ones included), or since its last load."""
         with self.cond:
-            return self.tokens
+            return self.tokens_since_load if since_load else self.tokens
 
     def in_flight(self) -> list[tuple[int, int, int]]:
         """(seq, k, tokens so far) of every unfinished request."""
@@ -160,6 +161,7 @@ class Generator(Checkpointable):
         req["out"].append(nxt)
         req["logprobs"].append(float(logp[0, nxt]))
         self.tokens += 1
+        self.tokens_since_load += 1
         if nxt == self.vocab.eos_id or len(req["out"]) == self.completion_width:
             del self.active[key], self.samplers[key]
             self.finished.append(self._episode(req))
@@ -219,6 +221,7 @@ class Generator(Checkpointable):
                 if self.weights.has(v):
                     self._install(v, self.weights.get(v))
             self.latest, self.tokens = int(state["latest"]), int(state["tokens"])
+            self.tokens_since_load = 0
             self.cond.notify_all()
 
     @staticmethod

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 from typing import Any
 
 import ray
@@ -13,7 +14,7 @@ from apps.grpo.actors import shapes
 from apps.grpo.generator import Generator, replica_for
 from apps.grpo.model import build_model
 from apps.grpo.task import Vocab, encode_prompts, make_letters, prompt_text
-from forge_ckpt import CheckpointConfig, CheckpointCoordinator
+from forge_ckpt import CheckpointConfig, CheckpointCoordinator, layout, serialization
 
 TASK = {"alphabet": "abcdefghij", "min_len": 4, "max_len": 24}
 MODEL = {"d_model": 64, "n_layers": 2, "n_heads": 4}
@@ -59,9 +60,9 @@ class Workload:
     def batch_tokens(self) -> int:
         return self.args.requests * 8  # about half of a batch's tokens: mid-generation
 
-    async def decoded(self, generators: list[Any] | None = None) -> int:
+    async def decoded(self, generators: list[Any] | None = None, since_load: bool = False) -> int:
         gens = generators or self.generators
-        return sum(await asyncio.gather(*(g.decoded.remote() for g in gens)))
+        return sum(await asyncio.gather(*(g.decoded.remote(since_load) for g in gens)))
 
     async def wait_tokens(self, n: int) -> None:
         while await self.decoded() - self._base < n:
@@ -94,10 +95,9 @@ class Workload:
         for g in fresh:
             for v in await g.missing_weights.remote():
                 await g.fill_weights.remote(v, self.weights, "trainer", v)
-        inflight = await self.in_flight(fresh)
-        restored = await self.decoded(fresh)
+        inflight = in_flight_saved(folder, step, len(fresh))  # as the step holds them
         await self.wait_idle(fresh)
-        after = await self.decoded(fresh) - restored
+        after = await self.decoded(fresh, since_load=True)
         got = await self.collect(fresh)
         missing = sum(int(self.done[(s, k)]["completion_mask"].sum()) - n for s, k, n in inflight)
         same = all((got[key]["completion"] == self.done[key]["completion"]).all() for key in got)
@@ -110,3 +110,13 @@ class Workload:
             "regenerated_tokens_discard": sum(n for *_, n in inflight),
             "completions_equal": bool(same and got),
         }
+
+
+def in_flight_saved(folder: str, step: int, replicas: int) -> list[tuple[int, int, int]]:
+    """(seq, k, tokens so far) of every in-flight request in the step's generator files."""
+    out = []
+    for j in range(replicas):
+        path = os.path.join(layout.step_dir(folder, step), layout.actor_file("generators", j))
+        state = serialization.load(path)["state"]
+        out += [(int(r["seq"]), int(r["k"]), len(r["out"])) for r in state["active"]]
+    return out
