@@ -36,9 +36,10 @@ class Workload:
         self.generators = self._spawn()
         await asyncio.gather(*(g.push_weights.remote(0, self.weights, 0) for g in self.generators))
 
-    def _spawn(self) -> list[Any]:
+    def _spawn(self, replicas: int | None = None) -> list[Any]:
         cls = ray.remote(Generator).options(num_cpus=0)
-        return [cls.remote(SEED, TASK, MODEL, self.policy, j) for j in range(self.args.replicas)]
+        n = replicas or self.args.replicas
+        return [cls.remote(SEED, TASK, MODEL, self.policy, j) for j in range(n)]
 
     async def submit_batch(self) -> None:
         parts: list[list[dict]] = [[] for _ in self.generators]
@@ -85,9 +86,12 @@ class Workload:
             self.done.update(got)
         return got
 
-    async def resume_counts(self, folder: str, step: int) -> dict[str, Any]:
-        """Load `step` into fresh generators, let them finish, count the tokens decoded."""
-        fresh = self._spawn()
+    async def resume_counts(
+        self, folder: str, step: int, replicas: int | None = None
+    ) -> dict[str, Any]:
+        """Load `step` into fresh generators (`replicas` of them: the saved count by default),
+        let them finish, count the tokens they decoded, compare their completions."""
+        fresh = self._spawn(replicas)
         coord = CheckpointCoordinator(CheckpointConfig(folder=folder))
         coord.register("generators", fresh)
         await coord.load(step=step)
@@ -95,12 +99,16 @@ class Workload:
         for g in fresh:
             for v in await g.missing_weights.remote():
                 await g.fill_weights.remote(v, self.weights, "trainer", v)
-        inflight = in_flight_saved(folder, step, len(fresh))  # as the step holds them
+        inflight = in_flight_saved(folder, step)  # as the step holds them
         await self.wait_idle(fresh)
         after = await self.decoded(fresh, since_load=True)
         got = await self.collect(fresh)
         missing = sum(int(self.done[(s, k)]["completion_mask"].sum()) - n for s, k, n in inflight)
-        same = all((got[key]["completion"] == self.done[key]["completion"]).all() for key in got)
+        same = all(
+            (got[key][c] == self.done[key][c]).all()
+            for key in got
+            for c in ("completion", "logprobs")
+        )
         return {
             "requests_in_flight": len(inflight),
             "partial_tokens": sum(n for *_, n in inflight),
@@ -112,11 +120,13 @@ class Workload:
         }
 
 
-def in_flight_saved(folder: str, step: int, replicas: int) -> list[tuple[int, int, int]]:
+def in_flight_saved(folder: str, step: int) -> list[tuple[int, int, int]]:
     """(seq, k, tokens so far) of every in-flight request in the step's generator files."""
     out = []
-    for j in range(replicas):
+    for j in range(64):
         path = os.path.join(layout.step_dir(folder, step), layout.actor_file("generators", j))
+        if not os.path.exists(path):
+            break
         state = serialization.load(path)["state"]
         out += [(int(r["seq"]), int(r["k"]), len(r["out"])) for r in state["active"]]
     return out
