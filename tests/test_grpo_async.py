@@ -22,6 +22,7 @@ from forge_ckpt.weights import is_ref
 
 CONFIG = os.path.join(os.path.dirname(__file__), "..", "configs", "grpo_async_test.yaml")
 SLOW = {"FORGE_CKPT_FAULT": "fsync:sleep=0.05"}
+INTERVAL = 2  # checkpoint.interval of the config
 # (overrides of this start, how it is killed): the third start has one replica more
 STARTS = [([], "random"), ([], "during_save"), (["policy.replicas=3"], "random")]
 
@@ -52,9 +53,11 @@ def check_weights_stored_once(folder: str, step: int, lag: int = 1) -> None:
 
 
 def kill_at_random_step(job: chaos.Job, run_dir: str, rng: random.Random) -> chaos.Kill | None:
-    """Kill once a step drawn from `rng` (1 to 3 steps on, and past the first save) has
-    trained: the generators are decoding the next steps then (a condition, not a sleep)."""
-    target = max(chaos.metrics_lines(run_dir) + rng.randint(1, 3), 3)
+    """Kill once a step drawn from `rng` has trained: 1 or 2 steps past the next save (so each
+    kill resumes from a newer step); the generators are decoding the next steps then (the
+    moment is a condition, not a sleep)."""
+    newest = max(committed_steps(os.path.join(run_dir, chaos.CHECKPOINTS)), default=0)
+    target = newest + INTERVAL + rng.randint(1, 2)
     if not chaos.wait_until(job, lambda: chaos.metrics_lines(run_dir) >= target, 600, 0.001):
         return None
     folder = os.path.join(run_dir, chaos.CHECKPOINTS)
