@@ -88,27 +88,31 @@ def markdown(res: dict[str, Any]) -> str:
     return f"""{begin}
 ## Asynchronous RL: the no-drain cut against draining
 
-`{res["command"]}` ({res["date"]}, {res["cpus"]} CPUs; docs/async_rl.md). Two generator replicas
-decode long completions of varied length ({res["config"]["requests"]} requests at once); a
-checkpoint is taken mid-generation, alternately cut (forge_ckpt: save at once, generators snapshot
-between two tokens) and drained (wait for every in-flight generation, then save), in the same run.
-Medians over {res["config"]["trials"]} trials each; `async_mode="async"` saves: the stall is
-until `save()` returns (every snapshot taken; for the drain, plus the wait), save-to-commit
-until the COMMIT is durable. The drain's stall grows with the generations' length (here
-{res["drain_wait_s"]:.2f} s of waiting); the cut's does not depend on it.
+`{res["command"].strip()}` ({res["date"]}, {res["cpus"]} CPUs; [async_rl.md](async_rl.md)).
+{res["config"]["replicas"]} generator replicas decode {res["config"]["requests"]} requests of
+varied length at once; a checkpoint is taken mid-generation, alternately **cut** (forge_ckpt:
+save at once, the generators snapshot between two tokens and keep decoding) and **drained**
+(wait for every in-flight generation, then save), in the same run. Medians over
+{res["config"]["trials"]} trials each, `async_mode="async"` saves: the stall lasts until
+`save()` returns (every snapshot taken; for the drain, plus the wait), save-to-commit until the
+COMMIT is durable. The drain's stall grows with the generations' length (here
+{res["drain_wait_s"]:.2f} s of waiting, {res["config"]["token_cost_ms"]} ms per token); the
+cut's does not depend on it.
 
 | | cut | drain | cut / drain |
 |---|---|---|---|
 | loop stall (s) | {res["cut_stall_s"]:.3f} | {res["drain_stall_s"]:.3f} | **{res["stall_ratio"]:.3f}** |
 | save() to committed (s) | {res["cut_save_to_commit_s"]:.3f} | {res["drain_save_to_commit_s"]:.3f} | |
 
-Resume of the last cut step into fresh generators: {r["requests_in_flight"]} requests in flight
-with {r["partial_tokens"]} tokens decoded; finishing them decoded {r["decoded_after_resume"]}
-tokens for the {r["tokens_still_missing"]} they lacked: **{r["regenerated_tokens_cut"]} tokens
-regenerated** (discard approach: {r["regenerated_tokens_discard"]}); completions equal to the
-uninterrupted ones: {r["completions_equal"]}.
+Resume of the last cut step into fresh generators: {r["requests_in_flight"]} requests were in
+flight with {r["partial_tokens"]} tokens decoded; finishing them decoded
+{r["decoded_after_resume"]} tokens for the {r["tokens_still_missing"]} they lacked:
+**{r["regenerated_tokens_cut"]} tokens regenerated** (the discard approach regenerates
+{r["regenerated_tokens_discard"]}); completions equal to the uninterrupted ones:
+{r["completions_equal"]}.
 
-Targets: stall <= 5% of the drain's: {ok_stall}; 0 tokens regenerated after resume: {ok_tokens}.
+Targets: stall <= 5% of the drain's: **{ok_stall}**; 0 tokens regenerated after resume:
+**{ok_tokens}**.
 {end}"""
 
 
@@ -117,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--trials", type=int, default=5)
     p.add_argument("--requests", type=int, default=32, help="requests per batch (all replicas)")
     p.add_argument("--replicas", type=int, default=2)
-    p.add_argument("--token-cost-ms", type=float, default=4.0, help="models a larger policy")
+    p.add_argument("--token-cost-ms", type=float, default=16.0, help="models a larger policy")
     p.add_argument("--quick", action="store_true", help="2 trials, results not written")
     args = p.parse_args(argv)
     if args.quick:
