@@ -12,7 +12,8 @@ cuts in.
 The snapshot (`state_dict`) takes the lock the decode thread holds for one token: it sees the
 state between two tokens, with every in-flight request's partial tokens, log-probs and sampler
 state. Nothing waits for a generation to finish. Weights go through `WeightVersions`: the
-trainer's version and the versions replica 0 stores are written as references, not tensors.
+trainer's version is written as a reference (the step holds it in the trainer's shards), an
+older version as tensors by replica 0 only and as a reference by the others.
 """
 
 from __future__ import annotations

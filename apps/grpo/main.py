@@ -12,6 +12,10 @@ current step, commits a checkpoint at it and exits 0.
 The consistent cut: every actor call of a step is awaited before `coord.save`, so each actor's
 snapshot holds the state after that step and nothing later.
 
+`mode=async` runs the asynchronous pipeline of async_rl.py instead of this loop (generators up
+to `policy.max_policy_lag` versions behind, checkpoints that cut through in-flight generations;
+docs/async_rl.md).
+
 Overlap (`overlap=true`): the rollout for step N+1 is generated (by the weights of step N-1)
 while step N trains. At a checkpoint the in-flight generation is drained (awaited), and the
 rollout it produced stays inside the Policy actor (`Policy.pending`), whose state is saved: a
