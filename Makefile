@@ -37,6 +37,7 @@ bench: setup
 	$(PY) -m benchmarks.stall
 	$(PY) -m benchmarks.grpo_overhead
 	$(PY) -m benchmarks.grpo_save
+	$(PY) -m benchmarks.async_rl
 
 lint: setup
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check . && $(VENV)/bin/mypy

@@ -23,7 +23,7 @@ from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Any
 
-from . import layout, serialization
+from . import layout, rng, serialization
 from .actor import wrap_state
 from .errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
 from .remote_errors import describe, full_text, is_lost, unwrap
@@ -257,8 +257,9 @@ class Group:
     async def _resharded(
         self, saved: layout.Component, by_path: dict, where: StorageSpec, verify: bool
     ) -> LoadPlan:
-        """Read and verify the N saved files, let the rule make M states; replica j keeps the
-        RNG streams of saved replica j mod N (the trainer ranks' rule)."""
+        """Read and verify the N saved files, let the rule make M states; replica j < N keeps
+        the RNG streams of saved replica j, an added one (j >= N) gets streams derived from
+        saved replica j mod N's by `rng.derive` (distinct ones; the trainer ranks' rule)."""
         n = saved.replicas
         paths = [layout.actor_file(self.name, i) for i in range(n)]
         for p in paths:
@@ -274,7 +275,7 @@ class Group:
         states = await self._run_rule([d["state"] for d in saved_data], n)
         log.warning("%s; resharded by %s", self.changed(saved), self.rule_name())
         return [
-            (u, [], {STATE_OPTION: wrap_state(states[j], saved_data[j % n].get("rng"))})
+            (u, [], {STATE_OPTION: wrap_state(states[j], _replica_rng(saved_data, j))})
             for j, u in enumerate(self.units)
         ]
 
@@ -300,12 +301,20 @@ class Group:
         return out
 
 
+def _replica_rng(saved_data: list[Any], j: int) -> Any:
+    """Replica j's streams: saved replica j's, or derived from j mod N's when j is new."""
+    saved = saved_data[j % len(saved_data)].get("rng")
+    if j < len(saved_data) or saved is None:
+        return saved
+    return rng.derive(saved, j)
+
+
 class TrainerGroup(Group):
     """The trainer's ranks. A change of world size (N saved, M now) is not a mismatch: DCP
     reshards model, optimizer and LR state, and every rank reads the pieces it needs. The
     per-rank RNG streams follow one deterministic rule: rank r restores the streams saved by
-    rank r mod N (N -> M with M < N drops ranks M..N-1's streams; with M > N several ranks
-    start from the same saved streams, as ranks seeded alike would)."""
+    rank r mod N (N -> M with M < N drops ranks M..N-1's streams); an added rank (r >= N) gets
+    streams derived from those by `rng.derive(streams, r)`: distinct from every other rank's."""
 
     kind = "trainer"
     members = "trainer ranks"
@@ -323,7 +332,7 @@ class TrainerGroup(Group):
         if n != len(self.units):
             log.warning(
                 "%s; DCP reshards the trainer state, rank r restores the RNG streams of saved "
-                "rank r mod %d",
+                "rank r mod %d (derived ones for an added rank, rng.derive)",
                 self.changed(saved),
                 n,
             )

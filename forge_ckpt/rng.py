@@ -11,6 +11,7 @@ The state returned is plain containers, tuples, ints and tensors/arrays: msgpack
 
 from __future__ import annotations
 
+import hashlib
 import random
 from collections.abc import Mapping
 from typing import Any
@@ -128,3 +129,78 @@ def restore(state: Mapping[str, Any], generators: Mapping[str, Generator] | None
     saved = state.get("generators") or {}
     for name, gen in dict(generators or {}).items():
         _set(gen, saved[name])
+
+
+def derive(state: Mapping[str, Any], member: int) -> dict[str, Any]:
+    """Fresh, distinct streams for member `member` (a replica or rank index) that did not exist
+    when `state` was saved: every stream of `state` (globals and named generators, same names
+    and kinds) is replaced by one seeded with sha256(member, stream name, saved state). So
+    members added on resume (N -> M > N, member j >= N derives from saved member j mod N) never
+    draw the same numbers as the member they derive from or as each other, and the rule is a
+    pure function of the checkpoint: a resume with the same M derives the same streams."""
+    base = _digest(state)
+
+    def seed(name: str) -> int:
+        h = hashlib.sha256(f"{member}:{name}:".encode() + base).digest()
+        return int.from_bytes(h[:8], "little") >> 1
+
+    out: dict[str, Any] = {
+        "python": random.Random(seed("python")).getstate(),
+        "numpy": np.random.RandomState(seed("numpy") % 2**32).get_state(),
+        "torch_cpu": torch.Generator().manual_seed(seed("torch_cpu")).get_state(),
+    }
+    if "torch_cuda" in state:
+        cuda = list(state["torch_cuda"])
+        out["torch_cuda"] = [_cuda_state(seed(f"torch_cuda{i}"), s) for i, s in enumerate(cuda)]
+    gens = state.get("generators") or {}
+    out["generators"] = {n: _fresh(g, seed(f"generator:{n}")) for n, g in gens.items()}
+    return out
+
+
+def _fresh(saved: Mapping[str, Any], seed: int) -> dict[str, Any]:
+    """A state of the saved generator's kind, seeded with `seed`."""
+    kind = saved.get("kind")
+    if kind == "python":
+        return _get(random.Random(seed))
+    if kind == "numpy_generator":
+        bitgen = getattr(np.random, saved["state"]["bit_generator"])
+        return _get(np.random.Generator(bitgen(seed)))
+    if kind == "numpy_randomstate":
+        return _get(np.random.RandomState(seed % 2**32))
+    if kind == "torch":
+        device = str(saved.get("device", "cpu"))
+        if device.startswith("cuda") and torch.cuda.is_available():
+            return _get(torch.Generator(device=device).manual_seed(seed))
+        return {"kind": "torch", "state": torch.Generator().manual_seed(seed).get_state(),
+                "device": device}  # fmt: skip
+    raise ValueError(f"cannot derive a stream for a generator of kind {kind!r}")
+
+
+def _cuda_state(seed: int, saved: Any) -> Any:
+    if torch.cuda.is_available():
+        return torch.Generator(device="cuda").manual_seed(seed).get_state()
+    return saved  # not restorable here anyway (`restore` skips CUDA without a device)
+
+
+def _digest(obj: Any) -> bytes:
+    """A canonical hash of a captured RNG state (tensors and arrays by their bytes)."""
+    h = hashlib.sha256()
+
+    def walk(x: Any) -> None:
+        if isinstance(x, torch.Tensor):
+            h.update(b"T" + x.detach().cpu().contiguous().numpy().tobytes())
+        elif isinstance(x, np.ndarray):
+            h.update(b"A" + np.ascontiguousarray(x).tobytes())
+        elif isinstance(x, Mapping):
+            for k in sorted(x, key=str):
+                h.update(b"K" + str(k).encode())
+                walk(x[k])
+        elif isinstance(x, list | tuple):
+            h.update(b"L%d" % len(x))
+            for v in x:
+                walk(v)
+        else:
+            h.update(b"V" + repr(x).encode())
+
+    walk(obj)
+    return h.digest()

@@ -359,9 +359,10 @@ class TrainerCheckpointer:
                 "pass the same rng_generators to TrainerCheckpointer as the run that saved, "
                 "or load(exclude=['trainer']); nothing was applied",
             )
-        if want != self.rank:
-            log.info("trainer rank %d restores the RNG streams of saved rank %d "
-                     "(world size changed)", self.rank, want)  # fmt: skip
+        if want != self.rank:  # an added rank: distinct streams derived from `want`'s
+            log.info("trainer rank %d derives its RNG streams from saved rank %d's "
+                     "(world size changed; rng.derive)", self.rank, want)  # fmt: skip
+            rank_state = {**rank_state, "rng": rng.derive(rank_state["rng"], self.rank)}
         return rank_state
 
     def _check_fits(self, metadata: Metadata, load_optimizer: bool, where: str) -> None:

@@ -1,7 +1,7 @@
 """A trainer saved by N ranks loads into M ranks (1->2, 2->1, 2->4; FSDP2 on gloo): model
 weights, optimizer moments and the LR schedule equal the saved ones exactly (full tensors
-compared), and each rank's RNG streams follow the documented rule (rank r gets saved rank
-r mod N's streams)."""
+compared), and each rank's RNG streams follow the documented rule (rank r < N gets saved rank
+r's streams, an added rank r >= N streams derived from saved rank r mod N's: rng.derive)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import ray
 import torch
 
 from forge_ckpt import CheckpointConfig, CheckpointCoordinator, spawn_trainer_ranks
+from forge_ckpt.rng import derive
 
 sys.path.insert(0, os.path.dirname(__file__))
 import _trainer_model  # noqa: E402
@@ -66,8 +67,11 @@ def test_trainer_loads_into_another_world_size(rank_cls, tmp_path, saved_world, 
     )
     assert got["train_step"] == saved["train_step"] == 3
     rng = ray.get([r.rng_state.remote() for r in fresh])
-    for rank, state in enumerate(rng):  # rank r restored saved rank r mod N's streams
-        want = saved_rng[rank % saved_world]
+    for rank, state in enumerate(rng):  # rank r < N restored saved rank r's streams; an
+        want = saved_rng[rank % saved_world]  # added rank derived distinct ones from r mod N's
+        if rank >= saved_world:
+            want = derive(want, rank)
+            assert not any(bitwise(state["torch_cpu"], s["torch_cpu"]) for s in saved_rng)
         assert bitwise(state["torch_cpu"], want["torch_cpu"])
         assert state["generators"]["data"] == want["generators"]["data"]
     for r in fresh:

@@ -33,8 +33,10 @@ VARIANTS = {
 }
 
 
-def run_to_end(run_dir: str, overrides: list[str], env: dict, log: str) -> chaos.Job:
-    job = chaos.Job(CONFIG, run_dir, overrides, env, log)
+def run_to_end(
+    run_dir: str, overrides: list[str], env: dict, log: str, config: str = CONFIG
+) -> chaos.Job:
+    job = chaos.Job(config, run_dir, overrides, env, log)
     assert job.wait(timeout=600) == 0, open(log).read()[-3000:]
     return job
 

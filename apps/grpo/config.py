@@ -47,6 +47,8 @@ RESUMABLE_KEYS = frozenset(
         "dataset.num_workers",
         "dataset.replicas",
         "trainer.world_size",
+        "policy.replicas",  # async mode: in-flight requests re-dealt (docs/async_rl.md)
+        "policy.token_cost_ms",
     }
 )
 

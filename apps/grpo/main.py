@@ -12,6 +12,10 @@ current step, commits a checkpoint at it and exits 0.
 The consistent cut: every actor call of a step is awaited before `coord.save`, so each actor's
 snapshot holds the state after that step and nothing later.
 
+`mode=async` runs the asynchronous pipeline of async_rl.py instead of this loop (generators up
+to `policy.max_policy_lag` versions behind, checkpoints that cut through in-flight generations;
+docs/async_rl.md).
+
 Overlap (`overlap=true`): the rollout for step N+1 is generated (by the weights of step N-1)
 while step N trains. At a checkpoint the in-flight generation is drained (awaited), and the
 rollout it produced stays inside the Policy actor (`Policy.pending`), whose state is saved: a
@@ -42,6 +46,7 @@ from forge_ckpt import (  # noqa: E402
     CheckpointMismatchError,
 )
 
+from .async_rl import AsyncJob, resume_and_train_async  # noqa: E402
 from .chaos import chaos_hook  # noqa: E402
 from .config import ConfigError, fingerprint, load_config  # noqa: E402
 from .metrics import EventsLog, MetricsLog  # noqa: E402
@@ -256,13 +261,15 @@ async def run(cfg: dict[str, Any]) -> int:
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, on_sigterm, stop, grace, cfg)
     coord = make_coordinator(cfg)
     log = MetricsLog(os.path.join(cfg["run_dir"], METRICS))
-    sup = Supervisor(cfg, coord, lambda: Job(cfg), log)
+    is_async = cfg.get("mode", "sync") == "async"  # docs/async_rl.md
+    sup = Supervisor(cfg, coord, (lambda: AsyncJob(cfg)) if is_async else (lambda: Job(cfg)), log)
+    resume = resume_and_train_async if is_async else resume_and_train
     t0 = time.perf_counter()
     try:
         job = await sup.start()
         while True:  # once, unless an actor or node is lost: then the supervisor rebuilds
             try:
-                start, step = await resume_and_train(job, coord, log, sup, cfg, stop, t0)
+                start, step = await resume(job, coord, log, sup, cfg, stop, t0)
                 break
             except Exception as e:
                 t0 = time.perf_counter()  # "actors ready in" then counts the whole recovery
@@ -365,6 +372,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
+        if cfg.get("mode", "sync") not in ("sync", "async"):
+            raise ConfigError(f"mode must be sync or async, got {cfg['mode']!r}")
     except (ConfigError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

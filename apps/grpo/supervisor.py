@@ -71,6 +71,8 @@ def recoverable(e: BaseException) -> bool:
 
 def job_actors(job: Any) -> dict[str, Any]:
     """Every actor of the job by a readable name."""
+    if hasattr(job, "named_actors"):  # the async mode's job names its own
+        return dict(job.named_actors())
     named = {f"actor {n!r}": getattr(job, n) for n in ("policy", "reward", "replay")}
     datasets = job.datasets
     if len(datasets) == 1:
