@@ -254,9 +254,9 @@ class CheckpointCoordinator:
             if old and branch.is_present(self.store, step, old[0]):
                 log.warning("rollback: setting step %d of the abandoned branch aside", step)
                 branch.set_aside(self.store, step)
-            if self.tier is not None:  # memory steps are copies, not the branch's record
-                commit.retire_after(self.tier.store, self._branch_from)
-            return abandons
+            if self.tier is not None and layout.all_steps(self.tier.store).count(step):
+                commit.remove_step(self.tier.store, step)  # its number; the rest stay till the
+            return abandons  # commit: they may be the only copies (durable_every > 1)
         if step > self._newest_seen.get(store.url, step):
             return []
         stores = [store] if store is self.store else [store, self.store]
@@ -324,6 +324,8 @@ class CheckpointCoordinator:
         log.info(
             "committed step %d: %.1f MB in %.2fs", result.step, result.nbytes / 1e6, result.total_s
         )
+        if self._branch_from is not None and self.tier is not None:
+            await self._retire_memory(self._branch_from, result.step)
         self._branch_from, self._abandons = None, []  # a new branch has committed its first step
         if abandons:  # the abandoned one goes now
             try:
@@ -337,6 +339,16 @@ class CheckpointCoordinator:
         else:
             await self._retention()
         return result
+
+    async def _retire_memory(self, branch_from: int, new: int) -> None:
+        """The memory steps of the abandoned branch go once the new branch has committed."""
+        assert self.tier is not None
+        try:
+            for s in await self._io(layout.all_steps, self.tier.store):
+                if s > branch_from and s != new:
+                    await self._io(commit.remove_step, self.tier.store, s)
+        except OSError as e:
+            log.warning("could not yet remove the abandoned branch's memory steps: %s", e)
 
     async def _retention(self) -> None:
         """Best effort after a commit: a failure leaves extra steps, never a failed save (the
