@@ -59,6 +59,7 @@ _NOT_MODEL = ("optimizer", "lr_scheduler", "dataloader")  # TorchTitan's own top
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
 _UNITS.update({"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40})
 Progress = Callable[[int, int], None]  # (bytes done, bytes in all)
+KEEP_NAMES = "torchtitan"  # hf=...: TorchTitan's names, also where the step records a model
 
 
 @dataclass
@@ -130,7 +131,7 @@ def export_safetensors(
     earlier export when `overwrite` (its index and shards are replaced; other files stay).
     `hf` (`FAMILY:FLAVOR`, e.g. `llama3:8B`, or an `HFModel`) writes Hugging Face names and
     layout through TorchTitan's adapter; without it, the step's `extra["hf_model"]` is used
-    when the job recorded one. `hf_config` copies config.json and the tokenizer files of a HF
+    when the job recorded one (`hf="torchtitan"` keeps TorchTitan's names). `hf_config` copies config.json and the tokenizer files of a HF
     assets folder next to the weights. `progress(done_bytes, total_bytes)` is called after
     each tensor."""
     try:
@@ -151,7 +152,7 @@ def export_safetensors(
     recs = {r.path: r for r in trainer.files}
     tensors = _model_tensors(_read_metadata(sub, recs), sub, recs)
     model = _hf_model(hf, manifest)
-    _plan_outputs(tensors, model)
+    tensors = _plan_outputs(tensors, model)
     assets = asset_names(hf_config) if hf_config is not None else []
     dst = layout.as_storage(out)
     _check_out(dst, overwrite)
@@ -178,17 +179,21 @@ def export_safetensors(
 
 
 def _hf_model(hf: str | HFModel | None, manifest: layout.Manifest) -> HFModel | None:
-    """The model to convert to: the caller's, else the one the job recorded in `extra`."""
+    """The model to convert to: the caller's, else the one the job recorded in `extra`;
+    `KEEP_NAMES` keeps TorchTitan's names even then."""
     if hf is None and isinstance(manifest.extra, dict):
-        hf = manifest.extra.get("hf_model")
-    return None if hf is None else resolve(hf)
+        recorded = manifest.extra.get("hf_model")
+        hf = recorded if isinstance(recorded, str) else None
+    return None if hf is None or hf == KEEP_NAMES else resolve(hf)
 
 
-def _plan_outputs(tensors: list[_Tensor], model: HFModel | None) -> None:
+def _plan_outputs(tensors: list[_Tensor], model: HFModel | None) -> list[_Tensor]:
+    """Each tensor's outputs; those that become nothing (a tied head) are left out."""
     shapes = {t.name: (tuple(t.md.size), t.md.properties.dtype) for t in tensors}
     plan = {k: {k: v} for k, v in shapes.items()} if model is None else model.plan(shapes)
     for t in tensors:
         t.outputs = plan[t.name]
+    return [t for t in tensors if t.outputs]
 
 
 @dataclass

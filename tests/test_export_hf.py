@@ -112,7 +112,7 @@ def test_recorded_model_assets_json_and_bf16(saved, tmp_path):
     res = run("export", "--folder", folder, "latest", out, "--hf-config", str(assets),
               "--dtype", "bfloat16", "--json")  # fmt: skip
     assert res.exit_code == 0, res.output
-    report = json.loads(res.output)
+    report = json.loads(res.stdout)  # progress lines go to stderr
     assert report["schema_version"] == 1 and report["hf_model"] == "qwen3:debugmodel"
     assert report["assets"] == ["config.json", "tokenizer.json"]
     assert (tmp_path / "hf" / "config.json").read_text() == '{"model_type": "qwen3"}'
@@ -121,6 +121,9 @@ def test_recorded_model_assets_json_and_bf16(saved, tmp_path):
     want = adapter_of("qwen3").to_hf(dict(full))
     assert all(torch.equal(got[k], t.to(torch.bfloat16)) for k, t in want.items())
     assert report["files"] == [*sorted(set(index["weight_map"].values())), INDEX]
+    titan = str(tmp_path / "titan")  # the recorded model can be declined
+    assert run("export", "--folder", folder, "latest", titan, "--hf", "torchtitan").exit_code == 0
+    assert sorted(read_export(titan)[1]) == sorted(full)
 
 
 def test_wrong_model_is_refused_before_writing(saved, tmp_path):
