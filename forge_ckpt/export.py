@@ -165,17 +165,25 @@ def export_safetensors(
     convert = model.convert if model is not None else None
     weight_map = _write_shards(sub, dst, plan, dtype, save, convert, _Counter(total, progress))
     hf_name = model.name if model is not None else None
+    index = _index_bytes(total, weight_map, manifest, hf_name)
+    shards = sorted(set(weight_map.values()))
+    _finish(dst, shards, index, hf_config, assets)
+    return ExportResult(step, [*shards, INDEX], len(weight_map), total, hf_name, assets)
+
+
+def _finish(
+    dst: Storage, shards: list[str], index: bytes, hf_config: str | None, assets: list[str]
+) -> None:
+    """The assets, then the index last (atomically); on failure nothing written stays."""
     try:
         if hf_config is not None:
             copy_assets(hf_config, assets, dst)
-        dst.publish(INDEX, _index_bytes(total, weight_map, manifest, hf_name))
+        dst.publish(INDEX, index)
     except BaseException:
-        for name in [*sorted(set(weight_map.values())), *assets]:
+        for name in [*shards, *assets]:
             dst.delete(name)
         raise
     dst.sync_dir("")
-    files = [*sorted(set(weight_map.values())), INDEX]
-    return ExportResult(step, files, len(weight_map), total, hf_name, assets)
 
 
 def _hf_model(hf: str | HFModel | None, manifest: layout.Manifest) -> HFModel | None:
