@@ -356,7 +356,7 @@ def export(
         console.print(f"[green]wrote[/] {escape(name)}")
     names = f" ({escape(done.hf)} names)" if done.hf else ""
     console.print(f"step {done.step}: {done.tensors} tensors{names}, {_mb(done.total_size)} "
-                  f"in {len(done.files) - 1} shard(s) to {escape(out)}")  # fmt: skip
+                  f"in {len(done.files) - 1} shard(s) to {escape(out)}", highlight=False)  # fmt: skip
 
 
 def _export_source(step: str, folder: str | None, command: str | None) -> tuple[Storage, int]:
