@@ -19,7 +19,7 @@ from typer.testing import CliRunner
 from forge_ckpt import CheckpointConfig, CheckpointCoordinator, layout
 from forge_ckpt.cli import app
 from forge_ckpt.tools.progress import progress
-from forge_ckpt.tools.report import SCHEMA_VERSION
+from forge_ckpt.tools.report import SCHEMA_VERSION, dumps
 
 sys.path.insert(0, os.path.dirname(__file__))
 from crash_actors import Sampler, make_trainer_ranks  # noqa: E402
@@ -121,6 +121,13 @@ def test_version_and_progress_display():
     with progress("verify step 7", tty) as advance:
         advance(50, 100)
     assert "verify step 7" in tty.file.getvalue() and "\x1b[" in tty.file.getvalue()  # a bar
+
+
+def test_json_report_encodes_what_json_cannot():
+    """Actor state may hold tuple or bytes keys and NaN: the report stays valid JSON."""
+    text = dumps("inspect", {"extra": {(1, 2): b"x", "loss": [float("nan"), float("-inf"), 0.5]}})
+    body = json.loads(text)  # strict JSON: no NaN literal
+    assert "NaN" not in text and body["extra"] == {"(1, 2)": "b'x'", "loss": ["nan", "-inf", 0.5]}
 
 
 def test_gc_removes_leftover_only_and_console_script_works(folder):

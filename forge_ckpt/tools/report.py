@@ -21,16 +21,24 @@ SCHEMA_VERSION = 1
 def dumps(command: str, body: dict[str, Any]) -> str:
     """The command's JSON object: schema_version and command first, then `body`."""
     return json.dumps(
-        {"schema_version": SCHEMA_VERSION, "command": command, **body},
+        _keys({"schema_version": SCHEMA_VERSION, "command": command, **body}),
         indent=2,
-        default=_plain,
+        default=repr,  # whatever else json cannot encode (bytes, ...): its text
         allow_nan=False,
     )
 
 
-def _plain(value: Any) -> Any:
-    """Whatever json cannot encode natively (tuples are lists already): its text."""
-    return repr(value)
+def _keys(value: Any) -> Any:
+    """Actor state may have tuple or bytes keys, which JSON objects cannot (their text), and
+    NaN or infinite floats, which JSON has not ('nan', 'inf', '-inf')."""
+    if isinstance(value, dict):
+        return {
+            k if isinstance(k, (str, int, float, bool)) or k is None else repr(k): _keys(v)
+            for k, v in value.items()
+        }
+    if isinstance(value, (list, tuple)):
+        return [_keys(v) for v in value]
+    return finite(value) if isinstance(value, float) else value
 
 
 def finite(x: float | None) -> float | str | None:
