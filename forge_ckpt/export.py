@@ -29,7 +29,9 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,6 +47,7 @@ from . import layout
 from .dcp_io import METADATA
 from .dcp_metadata import load_metadata
 from .errors import CheckpointCorruptError, CheckpointError
+from .hf import HFModel, Shapes, asset_names, copy_assets, resolve
 from .signing import Signer
 from .storage import FileRecord, Storage
 from .storage.base import CHUNK, Checksums, check_record, expected_algo
@@ -55,16 +58,21 @@ _SHARD_RE = re.compile(r"^model(-\d{5}-of-\d{5})?\.safetensors$")
 _NOT_MODEL = ("optimizer", "lr_scheduler", "dataloader")  # TorchTitan's own top-level keys
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
 _UNITS.update({"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40})
+Progress = Callable[[int, int], None]  # (bytes done, bytes in all)
+KEEP_NAMES = "torchtitan"  # hf=...: TorchTitan's names, also where the step records a model
 
 
 @dataclass
 class ExportResult:
-    """What `export_safetensors` wrote (file names relative to OUT, index last)."""
+    """What `export_safetensors` wrote (file names relative to OUT, index last; `assets`:
+    files copied from the HF assets folder)."""
 
     step: int
     files: list[str]
     tensors: int
     total_size: int
+    hf: str | None = None
+    assets: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -73,10 +81,14 @@ class _Tensor:
     md: TensorStorageMetadata
     # (chunk, DCP's storage info: relative_path, offset, length)
     chunks: list[tuple[ChunkStorageMetadata, Any]] = field(default_factory=list)
+    # what it becomes in the export: name -> (shape, dtype); itself unless converted to HF
+    outputs: Shapes = field(default_factory=dict)
 
     def nbytes(self, dtype: torch.dtype | None) -> int:
-        out = _out_dtype(self.md.properties.dtype, dtype)
-        return self.md.size.numel() * out.itemsize
+        return sum(
+            math.prod(shape) * _out_dtype(saved, dtype).itemsize
+            for shape, saved in self.outputs.values()
+        )
 
 
 def parse_size(text: str) -> int:
@@ -109,11 +121,19 @@ def export_safetensors(
     dtype: torch.dtype | None = None,
     overwrite: bool = False,
     signer: Signer | None = None,
+    hf: str | HFModel | None = None,
+    hf_config: str | None = None,
+    progress: Progress | None = None,
 ) -> ExportResult:
     """Write step `step`'s model weights to `out` as sharded safetensors with an index.
 
     `dtype` converts floating tensors (others keep theirs). `out` must be empty, or hold an
-    earlier export when `overwrite` (its index and shards are replaced; other files stay)."""
+    earlier export when `overwrite` (its index and shards are replaced; other files stay).
+    `hf` (`FAMILY:FLAVOR`, e.g. `llama3:8B`, or an `HFModel`) writes Hugging Face names and
+    layout through TorchTitan's adapter; without it, the step's `extra["hf_model"]` is used
+    when the job recorded one (`hf="torchtitan"` keeps TorchTitan's names). `hf_config` copies config.json and the tokenizer files of a HF
+    assets folder next to the weights. `progress(done_bytes, total_bytes)` is called after
+    each tensor."""
     try:
         from safetensors.torch import save
     except ImportError:
@@ -131,6 +151,9 @@ def export_safetensors(
         )
     recs = {r.path: r for r in trainer.files}
     tensors = _model_tensors(_read_metadata(sub, recs), sub, recs)
+    model = _hf_model(hf, manifest)
+    tensors = _plan_outputs(tensors, model)
+    assets = asset_names(hf_config) if hf_config is not None else []
     dst = layout.as_storage(out)
     _check_out(dst, overwrite)
     for path in sorted({info.relative_path for t in tensors for _, info in t.chunks}):
@@ -138,20 +161,69 @@ def export_safetensors(
     plan = _plan(tensors, max_shard_size, dtype)
     _remove_export(dst)
     dst.makedirs("")
-    weight_map = _write_shards(sub, dst, plan, dtype, save)
     total = sum(t.nbytes(dtype) for t in tensors)
+    convert = model.convert if model is not None else None
+    weight_map = _write_shards(sub, dst, plan, dtype, save, convert, _Counter(total, progress))
+    hf_name = model.name if model is not None else None
+    index = _index_bytes(total, weight_map, manifest, hf_name)
+    shards = sorted(set(weight_map.values()))
+    _finish(dst, shards, index, hf_config, assets)
+    return ExportResult(step, [*shards, INDEX], len(weight_map), total, hf_name, assets)
+
+
+def _finish(
+    dst: Storage, shards: list[str], index: bytes, hf_config: str | None, assets: list[str]
+) -> None:
+    """The assets, then the index last (atomically); on failure nothing written stays."""
     try:
-        dst.publish(INDEX, _index_bytes(total, weight_map, manifest))
+        if hf_config is not None:
+            copy_assets(hf_config, assets, dst)
+        dst.publish(INDEX, index)
     except BaseException:
-        for name in sorted(set(weight_map.values())):
+        for name in [*shards, *assets]:
             dst.delete(name)
         raise
     dst.sync_dir("")
-    return ExportResult(step, [*sorted(set(weight_map.values())), INDEX], len(tensors), total)
+
+
+def _hf_model(hf: str | HFModel | None, manifest: layout.Manifest) -> HFModel | None:
+    """The model to convert to: the caller's, else the one the job recorded in `extra`;
+    `KEEP_NAMES` keeps TorchTitan's names even then."""
+    if hf is None and isinstance(manifest.extra, dict):
+        recorded = manifest.extra.get("hf_model")
+        hf = recorded if isinstance(recorded, str) else None
+    return None if hf is None or hf == KEEP_NAMES else resolve(hf)
+
+
+def _plan_outputs(tensors: list[_Tensor], model: HFModel | None) -> list[_Tensor]:
+    """Each tensor's outputs; those that become nothing (a tied head) are left out."""
+    shapes = {t.name: (tuple(t.md.size), t.md.properties.dtype) for t in tensors}
+    plan = {k: {k: v} for k, v in shapes.items()} if model is None else model.plan(shapes)
+    for t in tensors:
+        t.outputs = plan[t.name]
+    return [t for t in tensors if t.outputs]
+
+
+@dataclass
+class _Counter:
+    total: int
+    report: Progress | None
+    done: int = 0
+
+    def add(self, n: int) -> None:
+        self.done += n
+        if self.report is not None:
+            self.report(self.done, self.total)
 
 
 def _write_shards(
-    sub: Storage, dst: Storage, plan: list[list[_Tensor]], dtype: torch.dtype | None, save: Any
+    sub: Storage,
+    dst: Storage,
+    plan: list[list[_Tensor]],
+    dtype: torch.dtype | None,
+    save: Any,
+    convert: Callable[[str, torch.Tensor], dict[str, torch.Tensor]] | None,
+    counter: _Counter,
 ) -> dict[str, str]:
     """Assemble, write and free one shard at a time; on failure remove what was written."""
     weight_map: dict[str, str] = {}
@@ -160,11 +232,17 @@ def _write_shards(
         for i, group in enumerate(plan, 1):
             name = _SHARD_NAME.format(i, len(plan))
             written.append(name)  # before the write: a half-written shard is removed too
-            shard = {t.name: _assemble(sub, t, dtype) for t in group}
+            shard: dict[str, torch.Tensor] = {}
+            for t in group:
+                whole = _assemble(sub, t)
+                parts = {t.name: whole} if convert is None else convert(t.name, whole)
+                del whole
+                shard.update({k: v.to(_out_dtype(v.dtype, dtype)) for k, v in parts.items()})
+                counter.add(t.nbytes(dtype))
             data = save(shard, metadata={"format": "pt"})
+            weight_map.update(dict.fromkeys(shard, name))
             del shard
             dst.write(name, data)
-            weight_map.update({t.name: name for t in group})
     except BaseException:
         for name in written:
             dst.delete(name)
@@ -172,11 +250,13 @@ def _write_shards(
     return weight_map
 
 
-def _index_bytes(total: int, weight_map: dict[str, str], manifest: layout.Manifest) -> bytes:
-    meta = {
-        "total_size": total,
-        "forge_ckpt": {"step": manifest.step, "fingerprint": manifest.fingerprint},
-    }
+def _index_bytes(
+    total: int, weight_map: dict[str, str], manifest: layout.Manifest, hf: str | None
+) -> bytes:
+    source: dict[str, Any] = {"step": manifest.step, "fingerprint": manifest.fingerprint}
+    if hf is not None:
+        source["hf_model"] = hf
+    meta = {"total_size": total, "forge_ckpt": source}
     return json.dumps(
         {"metadata": meta, "weight_map": dict(sorted(weight_map.items()))}, indent=2
     ).encode()
@@ -195,12 +275,18 @@ def _is_model_key(meta: Metadata, fqn: str) -> bool:
     return len(path) == 1 and str(path[0]).split(".")[0] not in _NOT_MODEL
 
 
-def _model_tensors(meta: Metadata, sub: Storage, recs: dict[str, FileRecord]) -> list[_Tensor]:
-    """Every model tensor with the storage location of each of its chunks, checked."""
+def _model_tensors(
+    meta: Metadata,
+    sub: Storage,
+    recs: dict[str, FileRecord],
+    keep: Callable[[Metadata, str], bool] = _is_model_key,
+) -> list[_Tensor]:
+    """Every model tensor (every tensor that `keep`s) with the storage location of each of
+    its chunks, checked."""
     where = sub.where(METADATA)
     out = []
     for fqn, md in sorted(meta.state_dict_metadata.items()):
-        if not isinstance(md, TensorStorageMetadata) or not _is_model_key(meta, fqn):
+        if not isinstance(md, TensorStorageMetadata) or not keep(meta, fqn):
             continue
         t = _Tensor(fqn, md)
         for chunk in md.chunks:
@@ -277,7 +363,7 @@ def _plan(tensors: list[_Tensor], limit: int, dtype: torch.dtype | None) -> list
     return shards
 
 
-def _assemble(sub: Storage, t: _Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+def _assemble(sub: Storage, t: _Tensor) -> torch.Tensor:
     """One whole tensor from its chunks, each checked against what `.metadata` says."""
     full = torch.empty(tuple(t.md.size), dtype=t.md.properties.dtype)
     for chunk, info in t.chunks:
@@ -295,4 +381,4 @@ def _assemble(sub: Storage, t: _Tensor, dtype: torch.dtype | None) -> torch.Tens
         ):
             raise CheckpointCorruptError(where, f"{span} is not the chunk .metadata describes")
         full[tuple(slice(o, o + s) for o, s in zip(chunk.offsets, chunk.sizes, strict=True))] = part
-    return full.to(_out_dtype(full.dtype, dtype))
+    return full
