@@ -133,9 +133,22 @@ class Oracle:
         return ident
 
     def rolled_back(self, step: int) -> None:
-        """load(step=K): a new branch may abandon what is committed now, nothing later."""
+        """load(step=K): a new branch may abandon what is committed now, or has a marker now
+        (a commit of unknown outcome, which a later lease write may still record), nothing
+        later."""
         self._update()
-        self.branch_point, self.at_branch = step, set(self.seen)
+        self.branch_point, self.at_branch = step, set(self.seen) | self._markers()
+
+    def _markers(self) -> set[Identity]:
+        """Every step with a marker and a readable manifest, recorded in the lease or not."""
+        out = set()
+        for s in layout.all_steps(self.view):
+            try:
+                m = layout.read_committed(self.view, s, fence=layout.Fence())
+            except CheckpointCorruptError:
+                continue
+            out.add((s, m.created))
+        return out
 
     # ---- checks -----------------------------------------------------------------------------
     def check_storage(self) -> None:
