@@ -304,7 +304,7 @@ class CheckpointCoordinator:
             committing = True  # from here on the step may become visible: never abort it
             await self._io(self._commit, manifest, store)
         except BaseException as e:
-            if not committing or getattr(e, "not_committed", False):
+            if _may_abort(committing, e):
                 await self._abort(units, result.step, e, store)
                 if isinstance(e, (OSError, ValueError)):
                     lines = [f"commit: {describe(e)}"]
@@ -716,3 +716,10 @@ def _log_background_failure(task: asyncio.Task) -> None:
             "background save failed (raised again by the next save() or wait()): %s",
             task.exception(),
         )
+
+
+def _may_abort(committing: bool, e: BaseException) -> bool:
+    """Whether a failed save may abort (remove its step): only before its commit began, or
+    when the commit says it wrote no COMMIT. A cancellation or an error after that may have
+    come after the step became visible: removing it would lose a committed step."""
+    return not committing or getattr(e, "not_committed", False)

@@ -57,6 +57,13 @@ def first_violation_with(revert: str) -> str:
 
 
 @pytest.mark.timeout(1200)
+def test_it_finds_a_commit_removed_by_its_own_abort():
+    """Fix 1 taken back out: a save that fails or is cancelled (a caller's deadline, close())
+    during its commit aborts, and the abort removes the step whatever it holds (I1)."""
+    assert ": I1 " in first_violation_with("fix1")
+
+
+@pytest.mark.timeout(1200)
 def test_it_finds_the_rollback_that_retires_before_the_new_branch_commits():
     """Fix 2 taken back out: the first save after load(step=K) retires the newer steps at
     once. A save that then fails has lost them (I1)."""

@@ -7,8 +7,20 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from .. import branch, commit, layout, lock
+from .. import branch, commit, coordinator, layout, lock
 from ..storage.s3 import S3Storage
+
+
+def _abort_after_commit() -> None:
+    """Fix 1: a save that fails or is cancelled during its commit aborts, and the abort
+    removes the step whatever it holds (close() removed the step it waited for)."""
+
+    def remove_anyway(store: Any, step: int) -> bool:
+        store.delete_prefix(layout.step_name(step))
+        return True
+
+    coordinator._may_abort = lambda committing, e: True
+    commit.remove_if_uncommitted = remove_anyway
 
 
 def _retire_at_once() -> None:
@@ -35,6 +47,7 @@ def _every_marker_counts() -> None:
 
 
 REVERTS: dict[str, Callable[[], None]] = {
+    "fix1": _abort_after_commit,
     "fix2": _retire_at_once,
     "fix7": _own_write_is_another,
     "fix8": _every_marker_counts,
