@@ -13,44 +13,16 @@ import threading
 from typing import Any
 
 import pytest
+from _held_storage import LOG as WRITES
+from _held_storage import (
+    held_config,
+    held_rules,  # noqa: F401 (a fixture)
+    hold,
+)
 
 from forge_ckpt import CheckpointConfig, CheckpointCoordinator, layout
-from forge_ckpt.storage import SCHEMES, StorageSpec
-from forge_ckpt.storage.local import LocalStorage
 
-HOLDS: dict[tuple[str, str], threading.Event] = {}  # (operation, path suffix) -> let go
-ENTERED: dict[tuple[str, str], threading.Event] = {}
-WRITES: list[tuple[str, str]] = []
-
-
-class HeldFS(LocalStorage):
-    """LocalStorage whose operations wait, where a test says so, until it lets them go."""
-
-    def __init__(self, spec: StorageSpec) -> None:
-        super().__init__(StorageSpec(spec.url.removeprefix("held://"), dict(spec.options)))
-        self.spec = spec
-
-    def sub(self, prefix: str) -> HeldFS:
-        return HeldFS(self.spec.child(prefix))
-
-
-def _held(name: str) -> Any:
-    base = getattr(LocalStorage, name)
-
-    def method(self: HeldFS, path: str = "", *args: Any, **kw: Any) -> Any:
-        for (op, suffix), go in list(HOLDS.items()):
-            if op == name and path.endswith(suffix):
-                ENTERED[(op, suffix)].set()
-                assert go.wait(60), f"{name} {path} was never let go"
-        WRITES.append((name, path))
-        return base(self, path, *args, **kw)
-
-    return method
-
-
-for _name in ("create", "replace", "delete", "delete_prefix", "publish"):
-    setattr(HeldFS, _name, _held(_name))
-SCHEMES["held://"] = HeldFS
+pytestmark = pytest.mark.usefixtures("held_rules")
 
 
 class _Call:
@@ -76,26 +48,8 @@ class Plain:
         self.v = state["v"]
 
 
-@pytest.fixture(autouse=True)
-def clean():
-    HOLDS.clear()
-    ENTERED.clear()
-    WRITES.clear()
-    yield
-    for go in HOLDS.values():
-        go.set()
-
-
-def hold(op: str, suffix: str) -> threading.Event:
-    HOLDS[(op, suffix)] = threading.Event()
-    ENTERED[(op, suffix)] = threading.Event()
-    return HOLDS[(op, suffix)]
-
-
 def config(folder: str, **kw: Any) -> CheckpointConfig:
-    cfg = CheckpointConfig(folder=str(folder), async_mode="async", **kw)
-    cfg.folder = f"held://{cfg.folder}"  # normalize_url made the path absolute
-    return cfg
+    return held_config(folder, async_mode="async", **kw)
 
 
 def lease(folder: str) -> dict:
@@ -109,12 +63,12 @@ async def test_close_during_the_commit_keeps_the_step_and_releases_after_it(tmp_
     and the lease is released only after the commit (nothing is written after it)."""
     coord = CheckpointCoordinator(config(tmp_path))
     coord.register("a", Plain(1))
-    go = hold("create", "step-1/COMMIT")
+    held = hold("create", "step-1/COMMIT")
     await coord.save(1)
-    await asyncio.to_thread(ENTERED[("create", "step-1/COMMIT")].wait, 60)
+    await held.reached()
     coord.close()  # never blocks
     assert not lease(tmp_path)["released"]  # the commit in flight still holds it
-    go.set()
+    held.go.set()
     with pytest.raises((asyncio.CancelledError, Exception)):
         await coord._pending  # type: ignore[misc]
     await asyncio.to_thread(_wait_released, str(tmp_path))
@@ -142,11 +96,11 @@ async def test_register_during_a_background_save_is_not_part_of_it(tmp_path):
     components registered at commit time)."""
     coord = CheckpointCoordinator(config(tmp_path))
     coord.register("a", Plain(1))
-    go = hold("create", "step-1/manifest.json")
+    held = hold("create", "step-1/manifest.json")
     await coord.save(1)
-    await asyncio.to_thread(ENTERED[("create", "step-1/manifest.json")].wait, 60)
+    await held.reached()
     coord.register("late", Plain(7))
-    go.set()
+    held.go.set()
     result = await coord.wait()
     assert result is not None and result.committed
     assert set(layout.read_committed(str(tmp_path), 1).components) == {"a"}
@@ -163,12 +117,12 @@ async def test_close_during_retention_releases_only_after_it(tmp_path):
     coord.register("a", Plain(1))
     await coord.save(1)
     await coord.wait()
-    go = hold("delete", "step-1/COMMIT")
+    held = hold("delete", "step-1/COMMIT")
     await coord.save(2)
-    await asyncio.to_thread(ENTERED[("delete", "step-1/COMMIT")].wait, 60)
+    await held.reached()
     coord.close()
     assert not lease(tmp_path)["released"]
-    go.set()
+    held.go.set()
     with pytest.raises((asyncio.CancelledError, Exception)):
         await coord._pending  # type: ignore[misc]
     await asyncio.to_thread(_wait_released, str(tmp_path))

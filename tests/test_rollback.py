@@ -6,45 +6,18 @@ once: no Ray, no timing."""
 
 from __future__ import annotations
 
-import errno
 from typing import Any
 
 import pytest
+from _held_storage import (
+    fail,
+    held_config,
+    held_rules,  # noqa: F401 (a fixture)
+)
 
-from forge_ckpt import CheckpointConfig, CheckpointCoordinator, CheckpointSaveError, layout
-from forge_ckpt.storage import SCHEMES, StorageSpec
-from forge_ckpt.storage.local import LocalStorage
+from forge_ckpt import CheckpointCoordinator, CheckpointSaveError, layout
 
-FAILS: dict[tuple[str, str], int] = {}  # (operation, path suffix) -> failures left
-
-
-class FaultFS(LocalStorage):
-    """LocalStorage whose chosen operations fail (EIO, before they apply) as often as asked."""
-
-    def __init__(self, spec: StorageSpec) -> None:
-        super().__init__(StorageSpec(spec.url.removeprefix("faulty://"), dict(spec.options)))
-        self.spec = spec
-
-    def sub(self, prefix: str) -> FaultFS:
-        return FaultFS(self.spec.child(prefix))
-
-
-def _faulty(name: str) -> Any:
-    base = getattr(LocalStorage, name)
-
-    def method(self: FaultFS, path: str = "", *args: Any, **kw: Any) -> Any:
-        for (op, suffix), left in list(FAILS.items()):
-            if op == name and path.endswith(suffix) and left > 0:
-                FAILS[(op, suffix)] = left - 1
-                raise OSError(errno.EIO, f"{path}: {name} failed (test)")
-        return base(self, path, *args, **kw)
-
-    return method
-
-
-for _name in ("create", "replace", "delete", "delete_prefix", "read"):
-    setattr(FaultFS, _name, _faulty(_name))
-SCHEMES["faulty://"] = FaultFS
+pytestmark = pytest.mark.usefixtures("held_rules")
 
 
 class _Call:
@@ -70,17 +43,8 @@ class Plain:
         self.v = state["v"]
 
 
-@pytest.fixture(autouse=True)
-def clean():
-    FAILS.clear()
-    yield
-    FAILS.clear()
-
-
 def open_job(folder: Any, keep_last: int) -> tuple[CheckpointCoordinator, Plain]:
-    cfg = CheckpointConfig(folder=str(folder), keep_last=keep_last)
-    cfg.folder = f"faulty://{cfg.folder}"  # normalize_url made the path absolute
-    coord = CheckpointCoordinator(cfg)
+    coord = CheckpointCoordinator(held_config(folder, keep_last=keep_last))
     actor = Plain()
     coord.register("a", actor)
     return coord, actor
@@ -101,8 +65,8 @@ async def test_an_abandoned_step_stays_abandoned_when_retention_removes_its_reco
         await save(coord, actor, step, "old")
     assert (await coord.load(step=2)).step == 2
     coord.config.keep_last = 2
-    FAILS[("delete", "step-6/COMMIT")] = 2  # its removal after the commit fails, and again
-    await save(coord, actor, 3, "new")  # when retention retries it (nothing is removed)
+    fail("delete", "step-6/COMMIT", times=2)  # its removal after the commit fails, retried too
+    await save(coord, actor, 3, "new")
     assert layout.committed_steps(str(tmp_path)) == [1, 2, 3, 6]  # 6: there, abandoned
     await save(coord, actor, 4, "new")
     await save(coord, actor, 5, "new")  # retention removes step 3
@@ -124,7 +88,7 @@ async def test_a_step_of_unknown_outcome_is_abandoned_by_a_rollback(tmp_path):
     coord, actor = open_job(tmp_path, keep_last=10)
     for step in range(1, 4):
         await save(coord, actor, step, "old")
-    FAILS[("replace", layout.LEASE)] = 1  # the record of step 4 is never written
+    fail("replace", layout.LEASE)  # the record of step 4 is never written
     with pytest.raises(CheckpointSaveError, match="outcome is unknown"):
         await save(coord, actor, 4, "old")
     assert (await coord.load(step=2)).step == 2
