@@ -40,7 +40,16 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.futures import Future
 
-from .dcp_read import Blob, FileJob, FileSource, MemorySource, Source, read_plan
+from .dcp_read import (
+    Blob,
+    FileIdentity,
+    FileJob,
+    FileSource,
+    MemorySource,
+    Source,
+    identity,
+    read_plan,
+)
 from .errors import CheckpointCorruptError
 from .storage import FileRecord, Storage
 from .storage.base import check_record
@@ -76,8 +85,10 @@ class SeamFileSystem(FileSystemBase):
         store: Storage,
         expected: dict[str, FileRecord] | None = None,
         cache: dict[str, bytes | bytearray] | None = None,
+        seen: dict[str, FileIdentity] | None = None,
     ) -> None:
         self.store = store
+        self.seen = seen or {}  # path -> identity of a local file verified before
         self.expected = expected or {}  # path -> record: verified on read
         self.cache = cache if cache is not None else {}  # path -> verified bytes
         self.records: dict[str, FileRecord] = {}
@@ -137,6 +148,8 @@ class SeamFileSystem(FileSystemBase):
         if rec is not None and src.size != rec.size:
             src.close()
             check_record(local, src.size, "", rec)  # raises: truncated or replaced
+        if rec is not None and self.seen.get(rel) == identity(os.fstat(src.fd)):
+            rec = None  # the very file verified before this load: not checked twice
         return FileJob(src, None, rec, local, blobs)
 
     def _fetch(self, rel: str, where: str) -> Source:
@@ -239,9 +252,10 @@ class SeamReader(FileSystemReader):
         expected: dict[str, FileRecord],
         cache: dict[str, bytes | bytearray] | None = None,
         read_threads: int = 4,
+        seen: dict[str, FileIdentity] | None = None,
     ) -> None:
         super().__init__("")
-        self.seam = SeamFileSystem(store, expected, cache)
+        self.seam = SeamFileSystem(store, expected, cache, seen)
         self.fs = self.seam  # type: ignore[assignment]  # as in SeamWriter
         self.path = ""
         self.read_threads = read_threads
@@ -274,6 +288,16 @@ class SeamReader(FileSystemReader):
             storage_meta = metadata.storage_meta = StorageMeta()
         storage_meta.load_id = self.load_id
         return metadata
+
+
+def verify_local(store: Storage, rel: str, rec: FileRecord) -> FileIdentity | None:
+    """Verify a local file against its record; its identity when it provably did not change
+    while it was read (a later read of the same identity needs no second check), else None."""
+    path = store.local_path(rel)
+    before = identity(os.stat(path)) if path is not None and os.path.exists(path) else None
+    store.verify(rel, rec)
+    after = identity(os.stat(path)) if path is not None else None
+    return before if before is not None and before == after else None
 
 
 def misfits(state_dict: dict[str, Any], metadata: Metadata) -> list[str]:

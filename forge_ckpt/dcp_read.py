@@ -37,6 +37,15 @@ CHUNK = 8 * 1024 * 1024  # hashed while still in the CPU's cache
 SMALL = 256 * 1024  # items up to this size are read whole: one read instead of three
 
 
+FileIdentity = tuple[int, int, int, int, int]
+
+
+def identity(st: os.stat_result) -> FileIdentity:
+    """What changes when a file is replaced (inode) or written (size, mtime, ctime: ctime
+    cannot be set back from user space): equal identities mean the same bytes."""
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
+
+
 class Source(Protocol):
     """The bytes of one file: `readinto` fills all of `mv` from `pos` or raises."""
 
