@@ -36,7 +36,7 @@ import torch  # noqa: E402
 
 from forge_ckpt import CheckpointConfig, CheckpointCoordinator, spawn_trainer_ranks  # noqa: E402
 
-from . import disk, sections  # noqa: E402
+from . import contention, disk, sections  # noqa: E402
 from .trainer_rank import BenchTrainer  # noqa: E402
 
 MODES = ("sync", "async", "deferred")
@@ -178,12 +178,14 @@ def main(argv: list[str] | None = None) -> int:
         args.mib, args.trials = 64, 2
     os.makedirs("runs", exist_ok=True)
     root = tempfile.mkdtemp(prefix="stall-", dir="runs")
+    load = contention.now()
     ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="WARNING")
     try:
         res = summarise(asyncio.run(measure(args, root)), args)
     finally:
         ray.shutdown()
         shutil.rmtree(root, ignore_errors=True)
+    res["load"] = contention.record(load)
     if not args.quick:
         sections.write_section("stall", markdown(res), res)
     print(markdown(res))
