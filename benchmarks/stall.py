@@ -9,7 +9,6 @@ time the optimizer step waited for a deferred snapshot copy (`TrainerCheckpointe
 
 Each trial runs every mode once, in a shuffled order, on the same disk:
 - sync: `save()` returns after the commit (the stall is the whole save: the baseline);
-- async: `save()` returns once the state is copied to host memory, the write runs behind;
 - deferred (the stall-free cut): `save()` returns once the snapshot calls are submitted, the
   copy runs during the rollout and the optimizer step waits only if it is unfinished.
 Each save is waited for (`coord.wait()`) after its iteration, outside the measured window.
@@ -39,7 +38,7 @@ from forge_ckpt import CheckpointConfig, CheckpointCoordinator, spawn_trainer_ra
 from . import contention, disk, sections  # noqa: E402
 from .trainer_rank import BenchTrainer  # noqa: E402
 
-MODES = ("sync", "async", "deferred")
+MODES = ("sync", "deferred")  # "async" is deprecated: it now means "deferred" (config.py)
 EXPOSED = "deferred, no rollout"
 
 
