@@ -33,6 +33,8 @@ from .base import (
     fault,
 )
 
+HASHED_CHUNK = 8 * 1024 * 1024  # a verified read hashes each piece while it is in cache
+
 
 def fsync_dir(path: str) -> None:
     """Make the directory entries in `path` durable (a file's fsync does not cover its name)."""
@@ -187,18 +189,46 @@ class LocalStorage(Storage):
 
     # ---- reading ---------------------------------------------------------------------------
     def read(self, path: str, start: int = 0, end: int | None = None) -> bytearray:
+        return self._read(path, start, end, None, None)
+
+    def read_verified(self, path: str, expected: FileRecord | None = None) -> bytearray:
+        """One pass: each piece is checksummed as soon as it is read (still in the CPU's
+        cache), and a file of the wrong size is refused before any of it is read."""
+        if expected is None:
+            return super().read_verified(path)
+        sums = Checksums(expected_algo(expected))
+        try:
+            buf = self._read(path, 0, None, sums, expected)
+        except FileNotFoundError:
+            raise CheckpointCorruptError(self.where(path), "file is missing") from None
+        check_record(self.where(path), sums.size, sums.crc, expected, sums.record(path))
+        return buf
+
+    def _read(
+        self,
+        path: str,
+        start: int,
+        end: int | None,
+        sums: Checksums | None,
+        expected: FileRecord | None,
+    ) -> bytearray:
         fault("get")
+        step = HASHED_CHUNK if sums is not None else CHUNK
         with open(self._p(path), "rb", buffering=0) as f:
             size = os.fstat(f.fileno()).st_size
+            if expected is not None and size != expected.size:
+                check_record(self.where(path), size, "", expected)  # raises
             end = size if end is None else min(end, size)
             buf = bytearray(max(end - start, 0))
             mv = memoryview(buf)
             pos = 0
             f.seek(start)
             while pos < len(buf):
-                n = f.readinto(mv[pos : pos + CHUNK])
+                n = f.readinto(mv[pos : pos + step])
                 if not n:
                     raise CheckpointCorruptError(self.where(path), f"file ended after {pos} bytes")
+                if sums is not None:
+                    sums.update(mv[pos : pos + n])
                 pos += n
         return buf
 
