@@ -35,7 +35,8 @@ os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 import ray  # noqa: E402
 import torch  # noqa: E402
 
-from . import contention, disk, experiments, report, state_sweep, storage_bench  # noqa: E402
+from . import contention, disk, experiments, report, state_sweep  # noqa: E402
+from .storage import bench as storage_bench  # noqa: E402
 from .timers import install_timers  # noqa: E402
 
 log = logging.getLogger("benchmarks")

@@ -1,5 +1,5 @@
 """'Storage: S3 and local DCP I/O': forge_ckpt's writer/reader on S3 and on the local disk
-against raw transfers and stock DCP, from `results["storage"]` (benchmarks/storage_bench.py)."""
+against raw transfers and stock DCP, from `results["storage"]` (benchmarks/storage/bench.py)."""
 
 from __future__ import annotations
 

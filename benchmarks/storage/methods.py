@@ -20,7 +20,7 @@ from forge_ckpt import serialization
 from forge_ckpt.dcp_io import SeamReader, SeamWriter
 from forge_ckpt.storage import FileRecord, Storage
 
-from . import disk
+from .. import disk
 from .s3_clients import _ranges, boto3_get
 
 MiB = disk.MiB

@@ -26,8 +26,8 @@ from typing import Any
 
 from forge_ckpt.storage import Storage, open_storage
 
-from . import contention, disk
-from . import storage_methods as sm
+from .. import contention, disk
+from . import methods as sm
 from .s3_clients import BUCKET
 
 log = logging.getLogger("benchmarks")
