@@ -31,7 +31,7 @@ from benchmarks.disk import dd_write, remove, settle
 
 MiB = 1 << 20
 BUCKET = "bench"
-DOCS = Path(__file__).resolve().parent.parent / "docs"
+DOCS = Path(__file__).resolve().parents[2] / "docs"
 
 
 def boto3_client(server: SeaweedServer, inflight: int) -> Any:
