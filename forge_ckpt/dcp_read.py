@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from . import tensor_blob
 from .errors import CheckpointCorruptError
 from .storage import FileRecord
-from .storage.base import Checksums, check_record, expected_algo
+from .storage.base import Checksums, check_record, expected_algo, fault
 
 CHUNK = 8 * 1024 * 1024  # hashed while still in the CPU's cache
 SMALL = 256 * 1024  # items up to this size are read whole: one read instead of three
@@ -61,6 +61,7 @@ class FileSource:
 
     def __init__(self, path: str) -> None:
         self.where = path
+        fault("get")  # FORGE_CKPT_FAULT=get:EIO reaches this read as it reaches the storage's
         try:
             self.fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError:
