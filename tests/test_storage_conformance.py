@@ -66,7 +66,7 @@ def test_verify_names_the_damage(store):
 
 
 def test_read_buffer_is_the_verified_bytes_and_writable(store):
-    data = os.urandom(5 * MIB + 3)  # big enough for the local storage's huge-page buffer
+    data = os.urandom(5 * MIB + 3)  # big enough for the local storage's anonymous-map buffer
     rec = store.write("b", data)
     buf = store.read_buffer("b", rec)
     assert bytes(buf) == data and not buf.readonly
