@@ -35,8 +35,8 @@ bench: setup
 	$(PY) -m benchmarks.integrity
 	$(PY) -m benchmarks.tiers
 	$(PY) -m benchmarks.stall
-	$(PY) -m benchmarks.grpo_overhead
-	$(PY) -m benchmarks.grpo_save
+	$(PY) -m benchmarks.grpo.overhead
+	$(PY) -m benchmarks.grpo.save
 	$(PY) -m benchmarks.async_rl
 
 lint: setup

@@ -5,8 +5,13 @@ fsync'd writes, cold reads, `torch.save`, TorchTitan's `CheckpointManager` alone
 results stay comparable on machines whose disks differ or drift. The run writes
 `docs/benchmarks.md`, `docs/benchmarks.json` and the plots under `docs/img/`.
 
-Modules: `disk` (raw baselines, page-cache control), `actors` / `trainer_rank` / `timers` (the
-Ray trainer and actors under test, with phase timers), `experiments` (the measurements),
-`storage_bench` / `storage_methods` (the storage part: S3 and local DCP I/O, no Ray), `report`
-(a package, one module per section of the page: tables, plots).
+Modules: `disk` (raw baselines, page-cache control), `contention` (the load average and the
+competing-load flag every benchmark records), `actors` / `trainer_rank` / `timers` (the Ray
+trainer and actors under test, with phase timers), `experiments` (the measurements),
+`sections` (each stand-alone benchmark's section of the page). Subpackages, one per subject:
+`storage` (the storage part: S3 and local DCP I/O, no Ray; the S3 client comparison), `grpo`
+(the GRPO app's step overhead and trainer save: `python -m benchmarks.grpo.overhead`,
+`python -m benchmarks.grpo.save`), `report` (one module per section of the page: tables,
+plots). Stand-alone: `python -m benchmarks.integrity`, `python -m benchmarks.stall`,
+`python -m benchmarks.tiers`.
 """

@@ -38,8 +38,14 @@ def settle() -> None:
 
 def python_write(path: str, nbytes: int) -> float:
     """Write `nbytes` with os.write in 64 MiB buffers, fsync, close; returns seconds."""
+    return python_write_cpu(path, nbytes)[0]
+
+
+def python_write_cpu(path: str, nbytes: int) -> tuple[float, float]:
+    """`python_write`, also returning the CPU seconds (this process, all threads) it took."""
     buf = _buffer()
     settle()
+    cpu = time.process_time()
     start = time.perf_counter()
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
@@ -53,7 +59,7 @@ def python_write(path: str, nbytes: int) -> float:
         os.fsync(fd)
     finally:
         os.close(fd)
-    return time.perf_counter() - start
+    return time.perf_counter() - start, time.process_time() - cpu
 
 
 def python_write_files(folder: str, files: int, nbytes: int) -> float:
@@ -135,14 +141,20 @@ def drop_cache(paths: list[str], method: str) -> None:
 
 def cold_read(path: str, method: str) -> float:
     """Read a whole file sequentially into a 64 MiB buffer after evicting it; returns seconds."""
+    return cold_read_cpu(path, method)[0]
+
+
+def cold_read_cpu(path: str, method: str) -> tuple[float, float]:
+    """`cold_read`, also returning the CPU seconds (this process, all threads) of the read."""
     drop_cache([path], method)
     buf = bytearray(CHUNK)
     mv = memoryview(buf)
+    cpu = time.process_time()
     start = time.perf_counter()
     with open(path, "rb", buffering=0) as f:
         while f.readinto(mv):
             pass
-    return time.perf_counter() - start
+    return time.perf_counter() - start, time.process_time() - cpu
 
 
 def tree_bytes(path: str) -> int:

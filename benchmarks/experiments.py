@@ -101,9 +101,10 @@ async def _loop_lag(stop: asyncio.Event) -> float:
 async def forge_save(
     b: Bench, coord: CheckpointCoordinator, handles: list, mode: str, keep: bool = False
 ) -> dict[str, Any]:
-    """One `coord.save()`: sync, or async followed by `wait()`. Times seen by the caller, the
-    coordinator's own SaveResult, and each process's phase timers."""
-    coord.config.async_mode = mode
+    """One `coord.save()`: sync, or in the background ("async": now the deferred mode, which
+    replaced it) followed by `wait()`. Times seen by the caller, the coordinator's own
+    SaveResult, and each process's phase timers."""
+    coord.config.async_mode = "sync" if mode == "sync" else "deferred"
     step = b.next_step()
     await _phases(handles)
     take_phases()
@@ -113,7 +114,7 @@ async def forge_save(
     res = await coord.save(step)
     blocked = time.perf_counter() - start
     lag = None
-    if mode == "async":
+    if mode != "sync":
         lag_task = asyncio.create_task(_loop_lag(stop))
         res = await coord.wait()
         stop.set()

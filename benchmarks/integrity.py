@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 
-from benchmarks import disk, sections
+from benchmarks import contention, disk, sections
 from forge_ckpt.dcp_io import SeamReader, SeamWriter
 from forge_ckpt.storage import open_storage
 from forge_ckpt.storage.base import Checksums, StorageSpec
@@ -142,10 +142,12 @@ def main() -> None:
     os.makedirs("runs", exist_ok=True)
     root = args.dir or tempfile.mkdtemp(prefix="integrity-", dir="runs")
     os.makedirs(root, exist_ok=True)
+    load = contention.now()
     try:
         res = run(args.mib, args.trials, root)
     finally:
         shutil.rmtree(root, ignore_errors=True)
+    res["load"] = contention.record(load)
     write_docs(res)
     print(json.dumps({k: res[k] for k in ("hash_mb_s", "raw_write_mb_s", "ratios")}, indent=1))
 

@@ -35,7 +35,8 @@ os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 import ray  # noqa: E402
 import torch  # noqa: E402
 
-from . import disk, experiments, report, state_sweep, storage_bench  # noqa: E402
+from . import contention, disk, experiments, report, state_sweep  # noqa: E402
+from .storage import bench as storage_bench  # noqa: E402
 from .timers import install_timers  # noqa: E402
 
 log = logging.getLogger("benchmarks")
@@ -328,12 +329,13 @@ def main(argv: list[str] | None = None) -> int:
 
     os.makedirs(args.work_dir, exist_ok=True)
     results = _new_results(args, _command(argv))
-    start = time.perf_counter()
+    start, load = time.perf_counter(), contention.now()
     try:
         _run_all(args, results)
     finally:
         shutil.rmtree(args.work_dir, ignore_errors=True)
     results["wall_s"] = time.perf_counter() - start
+    results["load"] = contention.record(load)
     _merge_gpu(results, args.merge_gpu)
     report.write(results, args.out)
     partial = os.path.abspath(args.work_dir) + ".partial.json"

@@ -9,7 +9,6 @@ time the optimizer step waited for a deferred snapshot copy (`TrainerCheckpointe
 
 Each trial runs every mode once, in a shuffled order, on the same disk:
 - sync: `save()` returns after the commit (the stall is the whole save: the baseline);
-- async: `save()` returns once the state is copied to host memory, the write runs behind;
 - deferred (the stall-free cut): `save()` returns once the snapshot calls are submitted, the
   copy runs during the rollout and the optimizer step waits only if it is unfinished.
 Each save is waited for (`coord.wait()`) after its iteration, outside the measured window.
@@ -36,10 +35,10 @@ import torch  # noqa: E402
 
 from forge_ckpt import CheckpointConfig, CheckpointCoordinator, spawn_trainer_ranks  # noqa: E402
 
-from . import disk, sections  # noqa: E402
+from . import contention, disk, sections  # noqa: E402
 from .trainer_rank import BenchTrainer  # noqa: E402
 
-MODES = ("sync", "async", "deferred")
+MODES = ("sync", "deferred")  # "async" is deprecated: it now means "deferred" (config.py)
 EXPOSED = "deferred, no rollout"
 
 
@@ -178,12 +177,14 @@ def main(argv: list[str] | None = None) -> int:
         args.mib, args.trials = 64, 2
     os.makedirs("runs", exist_ok=True)
     root = tempfile.mkdtemp(prefix="stall-", dir="runs")
+    load = contention.now()
     ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="WARNING")
     try:
         res = summarise(asyncio.run(measure(args, root)), args)
     finally:
         ray.shutdown()
         shutil.rmtree(root, ignore_errors=True)
+    res["load"] = contention.record(load)
     if not args.quick:
         sections.write_section("stall", markdown(res), res)
     print(markdown(res))

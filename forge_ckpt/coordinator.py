@@ -187,7 +187,7 @@ class CheckpointCoordinator:
         store, spec = self._target(self.tier is not None)
         where = spec.child(layout.step_name(step))
         mode = self.config.async_mode
-        background, defer = mode != "sync", mode == "deferred"
+        background = defer = mode != "sync"  # a config's "async" is mapped to "deferred"
         start = time.perf_counter()
         prepared = False  # only a folder this save prepared is ever removed by its abort
         try:

@@ -18,6 +18,7 @@ earlier and could have been replaced since.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import io
 import os
 import threading
@@ -30,10 +31,28 @@ from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemReader, F
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.filesystem import FileSystemBase
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
-from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner import (
+    LoadPlan,
+    LoadPlanner,
+    ReadItem,
+    WriteItem,
+    WriteItemType,
+)
+from torch.futures import Future
 
+from .dcp_read import (
+    Blob,
+    FileIdentity,
+    FileJob,
+    FileSource,
+    MemorySource,
+    Source,
+    identity,
+    read_plan,
+)
 from .errors import CheckpointCorruptError
 from .storage import FileRecord, Storage
+from .storage.base import check_record
 
 METADATA = ".metadata"
 MISFITS_SHOWN = 12  # a changed model can differ in hundreds of tensors: name the first ones
@@ -66,8 +85,10 @@ class SeamFileSystem(FileSystemBase):
         store: Storage,
         expected: dict[str, FileRecord] | None = None,
         cache: dict[str, bytes | bytearray] | None = None,
+        seen: dict[str, FileIdentity] | None = None,
     ) -> None:
         self.store = store
+        self.seen = seen or {}  # path -> identity of a local file verified before
         self.expected = expected or {}  # path -> record: verified on read
         self.cache = cache if cache is not None else {}  # path -> verified bytes
         self.records: dict[str, FileRecord] = {}
@@ -97,6 +118,42 @@ class SeamFileSystem(FileSystemBase):
         if data is None:
             data = self.store.read_verified(rel, self.expected.get(rel))
         return data
+
+    def jobs(self, per_file: dict[str, list[Blob]]) -> list[FileJob]:
+        """How `dcp_read` gets each file's bytes: held verified bytes as they are; a local file
+        opened now (its size checked against its record before anything is read), verified
+        as it is read; an object downloaded (ranged parallel GETs) and verified in the pool."""
+        jobs: list[FileJob] = []
+        try:
+            for rel, blobs in per_file.items():
+                where = self.store.where(rel)
+                data = self.cache.pop(rel, None)
+                local = self.store.local_path(rel)
+                if data is not None:
+                    jobs.append(FileJob(MemorySource(data, where), None, None, where, blobs))
+                elif local is not None:
+                    jobs.append(self._local_job(rel, local, blobs))
+                else:
+                    fetch = functools.partial(self._fetch, rel, where)
+                    jobs.append(FileJob(None, fetch, None, where, blobs))
+        except BaseException:
+            for job in jobs:
+                if job.source is not None:
+                    job.source.close()
+            raise
+        return jobs
+
+    def _local_job(self, rel: str, local: str, blobs: list[Blob]) -> FileJob:
+        src, rec = FileSource(local), self.expected.get(rel)
+        if rec is not None and src.size != rec.size:
+            src.close()
+            check_record(local, src.size, "", rec)  # raises: truncated or replaced
+        if rec is not None and self.seen.get(rel) == identity(os.fstat(src.fd)):
+            rec = None  # the very file verified before this load: not checked twice
+        return FileJob(src, None, rec, local, blobs)
+
+    def _fetch(self, rel: str, where: str) -> Source:
+        return MemorySource(self.read(rel), where)
 
     def concat_path(self, path: str | os.PathLike, suffix: str) -> str:
         return f"{path}/{suffix}" if str(path) else suffix
@@ -186,18 +243,33 @@ class SavePlanner(DefaultSavePlanner):
 
 
 class SeamReader(FileSystemReader):
-    """DCP's reader over the seam: verified bytes, and metadata without `pickle.load`."""
+    """DCP's reader over the seam: items read straight into their destinations (`dcp_read`),
+    `read_threads` files at a time, verified as read; metadata without `pickle.load`."""
 
     def __init__(
         self,
         store: Storage,
         expected: dict[str, FileRecord],
         cache: dict[str, bytes | bytearray] | None = None,
+        read_threads: int = 4,
+        seen: dict[str, FileIdentity] | None = None,
     ) -> None:
         super().__init__("")
-        self.seam = SeamFileSystem(store, expected, cache)
+        self.seam = SeamFileSystem(store, expected, cache, seen)
         self.fs = self.seam  # type: ignore[assignment]  # as in SeamWriter
         self.path = ""
+        self.read_threads = read_threads
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        read_plan(
+            plan, planner, self.storage_data, self.seam.jobs, self._untransform, self.read_threads
+        )
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+    def _untransform(self, req: ReadItem, descriptors: tuple[str, ...], raw: io.BytesIO) -> bytes:
+        return self.transforms.transform_load_stream(req, descriptors, raw).read(-1)
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         super().reset(None)
@@ -216,6 +288,16 @@ class SeamReader(FileSystemReader):
             storage_meta = metadata.storage_meta = StorageMeta()
         storage_meta.load_id = self.load_id
         return metadata
+
+
+def verify_local(store: Storage, rel: str, rec: FileRecord) -> FileIdentity | None:
+    """Verify a local file against its record; its identity when it provably did not change
+    while it was read (a later read of the same identity needs no second check), else None."""
+    path = store.local_path(rel)
+    before = identity(os.stat(path)) if path is not None and os.path.exists(path) else None
+    store.verify(rel, rec)
+    after = identity(os.stat(path)) if path is not None else None
+    return before if before is not None and before == after else None
 
 
 def misfits(state_dict: dict[str, Any], metadata: Metadata) -> list[str]:

@@ -481,7 +481,7 @@ def load(path: str, expected: FileRecord | None = None) -> Any:
 
 def load_from(store: Storage, relpath: str, expected: FileRecord | None = None) -> Any:
     """Read once (checked against `expected`) and decode without copies."""
-    return loads(store.read_verified(relpath, expected), path=store.where(relpath))
+    return loads(store.read_buffer(relpath, expected), path=store.where(relpath))
 
 
 def describe(path: str) -> Any:

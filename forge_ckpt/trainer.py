@@ -53,8 +53,9 @@ from torchtitan.components.checkpointer import (
 from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer
 
 from . import layout, rng, serialization
-from .dcp_io import METADATA, SavePlanner, SeamReader, SeamWriter, misfits
+from .dcp_io import METADATA, SavePlanner, SeamReader, SeamWriter, misfits, verify_local
 from .dcp_metadata import load_metadata
+from .dcp_read import FileIdentity
 from .errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
 from .staging import SnapshotBuffers
 from .storage import FileRecord, Storage, StorageSpec, open_storage
@@ -73,6 +74,7 @@ class _StagedLoad:
     rank_state: dict[str, Any] | None
     expected: dict[str, FileRecord]
     cache: dict[str, bytes | bytearray]
+    seen: dict[str, FileIdentity]  # local files verified in prepare, as they were then
 
 
 def flat_state(states: dict[str, Any]) -> dict[str, Any]:
@@ -321,15 +323,16 @@ class TrainerCheckpointer:
         recs = {r["path"]: FileRecord.from_dict(r) for r in records}
         for path in recs:
             layout.check_relpath(path, store.where(layout.MANIFEST))
-        cache, metadata = self._verify(store, recs, verify)
+        cache, seen, metadata = self._verify(store, recs, verify)
         self._check_fits(metadata, load_optimizer, store.where(DCP_METADATA))
         rank_state = None
         if rank_file is not None:
             rank_state = self._read_rank_file(store, recs, verify, rank_file, saved_rank)
         # Every file DCP reads is checked again as it is read, unless its verified bytes are
-        # held here: a file replaced after this check is never loaded unseen.
+        # held here or it is provably the file verified here (same inode, size, mtime and
+        # ctime): a file replaced or rewritten after this check is never loaded unseen.
         unchecked = {p: r for p, r in recs.items() if p not in cache} if verify else {}
-        self._staged = _StagedLoad(store, load_optimizer, rank_state, unchecked, cache)
+        self._staged = _StagedLoad(store, load_optimizer, rank_state, unchecked, cache, seen)
 
     def _read_rank_file(
         self,
@@ -391,10 +394,11 @@ class TrainerCheckpointer:
 
     def _verify(
         self, store: Storage, recs: dict[str, FileRecord], verify: bool
-    ) -> tuple[dict[str, bytes | bytearray], Metadata]:
+    ) -> tuple[dict[str, bytes | bytearray], dict[str, FileIdentity], Metadata]:
         """Check `.metadata` and this rank's share of the shards; returns the bytes to hold
         for the apply (always `.metadata`; on an object store, the verified shards too, so
-        nothing is downloaded twice) and the decoded metadata."""
+        nothing is downloaded twice), the identities of the local shards checked, and the
+        decoded metadata."""
         if verify and DCP_METADATA not in recs:
             raise CheckpointCorruptError(store.where(DCP_METADATA), "not listed in the manifest")
         # DCP's metadata is opened here, through the allowlist: a planted pickle is refused
@@ -402,15 +406,18 @@ class TrainerCheckpointer:
         meta = store.read_verified(DCP_METADATA, recs.get(DCP_METADATA) if verify else None)
         cache: dict[str, bytes | bytearray] = {DCP_METADATA: meta}
         metadata = load_metadata(meta, store.where(DCP_METADATA))
+        seen: dict[str, FileIdentity] = {}
         if not verify:
-            return cache, metadata
+            return cache, seen, metadata
         keep = store.local_path() is None  # an object store: keep what was downloaded
         for path in (p for p in sorted(recs) if self._checks(p)):
             if keep:
                 cache[path] = store.read_verified(path, recs[path])
-            else:  # checked now to refuse early, and again as DCP reads it
-                store.verify(path, recs[path])
-        return cache, metadata
+            else:  # checked now to refuse early; checked again as read only if it changed
+                ident = verify_local(store, path, recs[path])
+                if ident is not None:
+                    seen[path] = ident
+        return cache, seen, metadata
 
     def _checks(self, path: str) -> bool:
         m = _SHARD_RE.match(path)
@@ -426,7 +433,7 @@ class TrainerCheckpointer:
         self._staged = None
         states = self.manager.states
         sd = self._load_targets(staged.load_optimizer)
-        reader = SeamReader(staged.store, staged.expected, staged.cache)
+        reader = SeamReader(staged.store, staged.expected, staged.cache, seen=staged.seen)
         with _dcp_errors(self.rank):
             dcp.load(sd, storage_reader=reader)
         if MODEL in states:  # DCP filled the flattened model tensors; hand them to the model

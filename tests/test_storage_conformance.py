@@ -65,6 +65,20 @@ def test_verify_names_the_damage(store):
         store.verify("nope", rec)
 
 
+def test_read_buffer_is_the_verified_bytes_and_writable(store):
+    data = os.urandom(5 * MIB + 3)  # big enough for the local storage's anonymous-map buffer
+    rec = store.write("b", data)
+    buf = store.read_buffer("b", rec)
+    assert bytes(buf) == data and not buf.readonly
+    buf[0] ^= 1  # decoded arrays are views of it and may be written
+    with pytest.raises(CheckpointCorruptError, match="checksum mismatch"):
+        store.read_buffer("b", FileRecord("b", len(data), "00000000"))
+    with pytest.raises(CheckpointCorruptError, match="size is"):
+        store.read_buffer("b", FileRecord("b", len(data) + 1, rec.crc32c))
+    with pytest.raises(CheckpointCorruptError, match="missing"):
+        store.read_buffer("nope", rec)
+
+
 def test_missing_objects(store):
     assert store.size("nope") is None and not store.exists("nope")
     assert store.read_tagged("nope") is None

@@ -55,7 +55,7 @@ class Progress:
             self._bar.stop()
         marks = self._marks  # a gap: one step plus the save before it
         gaps = [b - a for a, b in zip(marks, marks[1:], strict=False)]
-        if gaps:  # read by benchmarks/grpo_overhead.py
+        if gaps:  # read by benchmarks/grpo/overhead.py
             print(f"step time: median {statistics.median(gaps) * 1e3:.1f} ms over "
                   f"{len(gaps)} steps", flush=True)  # fmt: skip
 

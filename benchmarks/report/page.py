@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+from .. import contention
 from .async_save import async_analysis
 from .baselines import state_summary, state_tables
 from .common import MiB, fmt, gib
@@ -95,6 +96,8 @@ def _cold_and_load(results: dict) -> list[str]:
                 else "."
             )
         )
+    if results.get("load"):
+        add(f"- Whole run: {contention.note(results['load'])}")
     add("")
     return md
 

@@ -1,11 +1,12 @@
 """'Storage: S3 and local DCP I/O': forge_ckpt's writer/reader on S3 and on the local disk
-against raw transfers and stock DCP, from `results["storage"]` (benchmarks/storage_bench.py)."""
+against raw transfers and stock DCP, from `results["storage"]` (benchmarks/storage/bench.py)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
 
+from .. import contention
 from .common import MiB, fmt, mbps, med, met, series, table
 
 TITLE = "## Storage: S3 and local DCP I/O"
@@ -104,6 +105,58 @@ RATIOS: dict[str, tuple[str, str, str, tuple[str, float] | None]] = {
 }
 
 
+GiB = 1024 * MiB
+
+
+def _cpu(method: str, cpu: str, nbytes: str = "bytes") -> Fn:
+    """CPU seconds (the benchmark process, every thread) per GiB moved."""
+    return lambda r: r[method][cpu] / (r[method][nbytes] / GiB) if cpu in r[method] else None
+
+
+# name: (label, per-trial CPU-s/GiB); local only (on S3 the server's CPU is another process's)
+CPU: dict[str, tuple[str, Fn]] = {
+    "forge_save": ("forge_ckpt save (DCP + actor files)", _cpu("local_forge", "save_cpu_s")),
+    "raw_write": ("raw write + fsync", _cpu("local_raw", "write_cpu_s")),
+    "dcp_save": ("DCP FileSystemWriter", _cpu("local_dcp", "save_cpu_s")),
+    "forge_load": ("forge_ckpt load, verified, cold", _cpu("local_forge", "load_cpu_s")),
+    "raw_read": ("raw cold read", _cpu("local_raw", "read_cpu_s")),
+    "dcp_load": ("DCP FileSystemReader, cold", _cpu("local_dcp", "load_cpu_s")),
+}
+CPU_RATIOS = {  # forge_ckpt / raw, target <= 1.5 (issue 23)
+    "save": ("forge_ckpt save / raw write + fsync", "forge_save", "raw_write"),
+    "load": ("forge_ckpt load / raw cold read", "forge_load", "raw_read"),
+}
+CPU_GOAL = 1.5
+
+
+def cpu_summary(storage: dict) -> dict[str, Any]:
+    """Per-trial CPU-s/GiB of each local method and the paired forge_ckpt / raw ratios."""
+    rows = storage["trials"]
+    per = {k: series(rows, fn) for k, (_, fn) in CPU.items()}
+    ratios = {}
+    for key, (_, num, den) in CPU_RATIOS.items():
+        xs = series(rows, _ratio(CPU[num][1], CPU[den][1]))
+        m = med(xs)
+        ratios[key] = {"values": xs, "met": None if m is None else m <= CPU_GOAL}
+    return {"cpu_s_per_gib": per, "ratios": ratios}
+
+
+def _cpu_section(storage: dict) -> list[str]:
+    summary = cpu_summary(storage)
+    if not any(summary["cpu_s_per_gib"].values()):
+        return []  # results from before CPU time was recorded
+    rows = [[f"local: {label}", fmt(summary["cpu_s_per_gib"][k])] for k, (label, _) in CPU.items()]
+    md = [table(["CPU-seconds per GiB (user + system, all threads)", "median (min-max)"], rows)]
+    ratio_rows = [
+        [f"CPU per GiB: {label}", f"<= {CPU_GOAL}", fmt(summary["ratios"][k]["values"]),
+         met(summary["ratios"][k])]
+        for k, (label, _, _) in CPU_RATIOS.items()
+    ]  # fmt: skip
+    md.append("")
+    md.append(table(["CPU ratio (paired per trial)", "Target", "Measured", "Result"], ratio_rows))
+    return ["", *md, ""]
+
+
 def _ratio(num: Fn, den: Fn) -> Fn:
     def one(r: dict) -> float | None:
         a, b = num(r), den(r)
@@ -137,13 +190,27 @@ def plot_rows(storage: dict) -> list[tuple[str, str, list[float]]]:
     return [(panels[p], label, rates[k]) for k, (p, label, _) in RATES.items()]
 
 
+def _load_record(storage: dict) -> dict | None:
+    """The run's load record; older results carry only the readings before and after."""
+    if "load" in storage:
+        return storage["load"]
+    old = storage.get("loadavg_before_after")
+    if not old:
+        return None
+    return {
+        "loadavg_start": old[0],
+        "loadavg_end": old[1],
+        "cores": 2,
+        "competing_load": old[1] > 3,
+    }
+
+
 def _intro(storage: dict) -> str:
     cfg = storage["config"]
-    load = storage.get("loadavg_before_after") or [0, 0]
     return (
         f"One process, no Ray, {cfg['trials']} trials on {storage['date']} "
-        f"({storage['wall_s'] / 60:.1f} min, load average {load[0]:.1f} before and "
-        f"{load[1]:.1f} after). The state: {cfg['state_mib']} MiB, a trainer state dict of "
+        f"({storage['wall_s'] / 60:.1f} min). {contention.note(_load_record(storage))} "
+        f"The state: {cfg['state_mib']} MiB, a trainer state dict of "
         f"{cfg['trainer_tensors']} float32 tensors ({cfg['trainer_bytes'] / MiB:.0f} MiB, "
         f"saved with `dcp.save(..., no_dist=True)`) and {cfg['actor_files']} actor states "
         f"({cfg['actor_bytes'] / MiB:.0f} MiB of float32 columns, one "
@@ -193,6 +260,7 @@ def storage_section(storage: dict) -> str:
         for k, (p, label, _) in RATES.items()
     ]
     md.append(table(["MB/s (reference)", "median (min-max)"], rows))
+    md += _cpu_section(storage)
     md.append("")
     md.append(f"![{IMAGE}](img/{IMAGE})\n")
     md.append(

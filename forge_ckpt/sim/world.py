@@ -173,14 +173,15 @@ class SimS3(S3Storage):
         return None
 
 
-def _gated(name: str, mutates: bool) -> Callable:
+def _gated(name: str, mutates: bool, op: str | None = None) -> Callable:
+    """`name` of LocalStorage behind the world's gate, as operation `op` (default: `name`)."""
     base = getattr(LocalStorage, name)
 
     def method(self: SimFS, path: str = "", *args: Any, **kw: Any) -> Any:
         th = SimThread.current()
         if th is not None and th.in_op:  # one operation is one gate (replace holds a flock
             return base(self, path, *args, **kw)  # across the read and publish it makes)
-        outcome = self.world.gate(name, path, mutates)
+        outcome = self.world.gate(op or name, path, mutates)
         if outcome == "fail":
             raise OSError(errno.EIO, f"{path}: {name} failed (simulated)")
         if th is not None:
@@ -205,6 +206,8 @@ for _name, _mut in (
     ("walk", False), ("verify", False), ("sync_dir", False), ("writer", True),
 ):  # fmt: skip
     setattr(SimFS, _name, _gated(_name, _mut))
+for _name in ("read_verified", "read_buffer"):  # one read each, gated as one (as they were)
+    setattr(SimFS, _name, _gated(_name, False, "read"))
 
 SCHEMES["simfs://"] = SimFS
 SCHEMES["sims3://"] = SimS3

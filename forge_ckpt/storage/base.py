@@ -297,6 +297,11 @@ class Storage(ABC):
             check_record(self.where(path), c.size, c.crc, expected, c.record(path))
         return buf
 
+    def read_buffer(self, path: str, expected: FileRecord | None = None) -> memoryview:
+        """`read_verified` as a writable buffer that decoded tensors and arrays may view
+        (a storage may back it with memory cheaper to fill than a bytearray)."""
+        return memoryview(self.read_verified(path, expected))
+
     def verify(self, path: str, expected: FileRecord) -> None:
         """Check an object against its record without keeping it in memory."""
         self.read_verified(path, expected)

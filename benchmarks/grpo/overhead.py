@@ -1,4 +1,4 @@
-"""What saving every step to the memory tier costs the GRPO app: `python -m benchmarks.grpo_overhead`.
+"""What saving every step to the memory tier costs the GRPO app: `python -m benchmarks.grpo.overhead`.
 
 The real app (`python -m apps.grpo.main --config configs/grpo.yaml`) runs on a real 3-node
 cluster on this machine (benchmarks/tiers_env.py), its actors spread over the nodes, once per
@@ -27,8 +27,8 @@ import subprocess
 import sys
 from typing import Any
 
-from . import disk, sections
-from .tiers_env import environment
+from .. import disk, sections
+from ..tiers_env import environment
 
 VARIANTS = {
     "off": ["checkpoint.memory=false"],
@@ -79,7 +79,7 @@ def measure(args: argparse.Namespace, root: str) -> dict[str, Any]:
         "overhead": overhead,
         "rows": rows,
         **sections.stamp(
-            f"python -m benchmarks.grpo_overhead --steps {args.steps} --trials {args.trials}"
+            f"python -m benchmarks.grpo.overhead --steps {args.steps} --trials {args.trials}"
         ),
     }
 
@@ -105,7 +105,7 @@ def markdown(res: dict[str, Any]) -> str:
     lines += [
         "",
         "**Missed** on this machine. The trainer's share of a memory save is measured on its "
-        "own in the next section (`benchmarks.grpo_save`): most of it is DCP writing "
+        "own in the next section (`benchmarks.grpo.save`): most of it is DCP writing "
         "TorchTitan's state as hundreds of small items (each tensor through `torch.save`; the "
         "repeated values of the flattened optimizer param groups are now serialized once per "
         "process), and each file's two copies cost a call to each holder, on 2 cores shared "

@@ -20,7 +20,7 @@ from forge_ckpt import serialization
 from forge_ckpt.dcp_io import SeamReader, SeamWriter
 from forge_ckpt.storage import FileRecord, Storage
 
-from . import disk
+from .. import disk
 from .s3_clients import _ranges, boto3_get
 
 MiB = disk.MiB
@@ -74,12 +74,18 @@ def _since(start: float) -> float:
     return time.perf_counter() - start
 
 
+def _cpu_since(start: float) -> float:
+    """CPU seconds of this process (every thread, user + system) since `start`."""
+    return time.process_time() - start
+
+
 # ---- forge_ckpt over the seam (local folder or S3) ------------------------------------------
 
 
 def forge_save(store: Storage, state: State) -> dict[str, Any]:
     """`dcp.save` through SeamWriter, then every actor's snapshot file, then the folder's fsync
     (local; nothing on S3). Records are kept on `state` for the load."""
+    cpu = time.process_time()
     start = time.perf_counter()
     writer = SeamWriter(store)
     dcp.save(state.trainer, storage_writer=writer, no_dist=True)
@@ -90,10 +96,12 @@ def forge_save(store: Storage, state: State) -> dict[str, Any]:
         records.append(snap.write_to(store, f"actor-{i}.bin"))
     store.sync_dir("")
     total_s = _since(start)
+    cpu_s = _cpu_since(cpu)
     state.records = records
     dcp_bytes = sum(r.size for r in writer.records)
     return {
         "save_s": total_s,
+        "save_cpu_s": cpu_s,
         "dcp_save_s": dcp_s,
         "bytes": sum(r.size for r in records),
         "dcp_bytes": dcp_bytes,
@@ -105,13 +113,14 @@ def forge_load(store: Storage, state: State, target: dict[str, torch.Tensor]) ->
     """`dcp.load` through SeamReader (every file verified against its record) into `target`,
     then every actor file with `serialization.load_from` (verified, zero-copy decode)."""
     expected = {r.path: r for r in state.records}
+    cpu = time.process_time()
     start = time.perf_counter()
     dcp.load(target, storage_reader=SeamReader(store, expected, cache={}), no_dist=True)
     dcp_s = _since(start)
     for i in range(len(state.actors)):
         serialization.load_from(store, f"actor-{i}.bin", expected[f"actor-{i}.bin"])
     total_s = _since(start)
-    return {"load_s": total_s, "dcp_load_s": dcp_s}
+    return {"load_s": total_s, "load_cpu_s": _cpu_since(cpu), "dcp_load_s": dcp_s}
 
 
 def check_loaded(state: State, target: dict[str, torch.Tensor]) -> None:
@@ -176,30 +185,38 @@ def fsspec_load(url: str, target: dict[str, torch.Tensor], opts: dict[str, Any])
     return _since(start)
 
 
-def dcp_fs_save(path: str, sd: dict[str, torch.Tensor]) -> float:
+def dcp_fs_save(path: str, sd: dict[str, torch.Tensor]) -> tuple[float, float]:
     """DCP's `FileSystemWriter` with its defaults (fsync per file, one thread): what
-    TorchTitan's `dcp_save(state, checkpoint_id=path)` builds."""
+    TorchTitan's `dcp_save(state, checkpoint_id=path)` builds. Seconds, CPU seconds."""
     from torch.distributed.checkpoint import FileSystemWriter
 
+    cpu = time.process_time()
     start = time.perf_counter()
     dcp.save(sd, storage_writer=FileSystemWriter(path), no_dist=True)
-    return _since(start)
+    return _since(start), _cpu_since(cpu)
 
 
-def dcp_fs_load(path: str, target: dict[str, torch.Tensor]) -> float:
+def dcp_fs_load(path: str, target: dict[str, torch.Tensor]) -> tuple[float, float]:
     from torch.distributed.checkpoint import FileSystemReader
 
+    cpu = time.process_time()
     start = time.perf_counter()
     dcp.load(target, storage_reader=FileSystemReader(path), no_dist=True)
-    return _since(start)
+    return _since(start), _cpu_since(cpu)
 
 
 def raw_local(path: str, nbytes: int, cache: str) -> dict[str, float]:
     """Raw write + fsync of `nbytes` into one file, then its cold read (benchmarks.disk)."""
-    write_s = disk.python_write(path, nbytes)
-    read_s = disk.cold_read(path, cache)
+    write_s, write_cpu = disk.python_write_cpu(path, nbytes)
+    read_s, read_cpu = disk.cold_read_cpu(path, cache)
     disk.remove(path)
-    return {"write_s": write_s, "read_s": read_s, "bytes": nbytes}
+    return {
+        "write_s": write_s,
+        "write_cpu_s": write_cpu,
+        "read_s": read_s,
+        "read_cpu_s": read_cpu,
+        "bytes": nbytes,
+    }
 
 
 def folder_bytes(path: str) -> int:

@@ -26,8 +26,8 @@ from typing import Any
 
 from forge_ckpt.storage import Storage, open_storage
 
-from . import disk
-from . import storage_methods as sm
+from .. import contention, disk
+from . import methods as sm
 from .s3_clients import BUCKET
 
 log = logging.getLogger("benchmarks")
@@ -125,14 +125,20 @@ def local_forge(c: Ctx, state: sm.State, target: dict, check: bool) -> dict[str,
 def local_dcp(c: Ctx, state: sm.State, target: dict, check: bool) -> dict[str, Any]:
     folder = os.path.join(c.root, "dcp")
     disk.remove(folder)
-    save_s = sm.dcp_fs_save(folder, state.trainer)
+    save_s, save_cpu = sm.dcp_fs_save(folder, state.trainer)
     nbytes = sm.folder_bytes(folder)
     disk.drop_cache([folder], c.cache)
-    load_s = sm.dcp_fs_load(folder, target)
+    load_s, load_cpu = sm.dcp_fs_load(folder, target)
     if check:
         sm.check_loaded(state, target)
     disk.remove(folder)
-    return {"save_s": save_s, "load_s": load_s, "bytes": nbytes}
+    return {
+        "save_s": save_s,
+        "save_cpu_s": save_cpu,
+        "load_s": load_s,
+        "load_cpu_s": load_cpu,
+        "bytes": nbytes,
+    }
 
 
 def local_raw(c: Ctx, state: sm.State, target: dict, check: bool) -> dict[str, Any]:
@@ -213,7 +219,7 @@ def run_storage(mib: int, trials: int, work_dir: str, cache: str) -> dict[str, A
     os.makedirs(root, exist_ok=True)
     start = time.perf_counter()
     date = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
-    load_before = os.getloadavg()[0]
+    load_before = contention.now()
     state = sm.make_state(mib * MiB, TRAINER_SHARE, ACTOR_FILES)
     target = sm.empty_like(state.trainer)
     with tempfile.TemporaryDirectory(prefix="seaweed-", dir=root) as tmp:
@@ -230,7 +236,7 @@ def run_storage(mib: int, trials: int, work_dir: str, cache: str) -> dict[str, A
         "date": date,
         "wall_s": time.perf_counter() - start,
         "server_start_s": started,
-        "loadavg_before_after": [load_before, os.getloadavg()[0]],
+        "load": contention.record(load_before, [r["loadavg"] for r in rows]),
         "bytes": c.nbytes,
         "config": _config(mib, trials, cache, state),
         "trials": rows,

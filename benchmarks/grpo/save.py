@@ -1,4 +1,4 @@
-"""What one checkpoint of the GRPO app's trainer costs: `python -m benchmarks.grpo_save`.
+"""What one checkpoint of the GRPO app's trainer costs: `python -m benchmarks.grpo.save`.
 
 The app's own `Trainer` (configs/grpo.yaml: TorchTitan AdamW and LR containers, the small
 policy) runs as one rank on a worker node of a real 3-node cluster (benchmarks/tiers_env.py).
@@ -29,8 +29,8 @@ import yaml
 from apps.grpo.trainer import Trainer
 from forge_ckpt import CheckpointConfig, CheckpointCoordinator, spawn_trainer_ranks
 
-from . import disk, sections
-from .tiers_env import environment, on
+from .. import disk, sections
+from ..tiers_env import environment, on
 
 VARIANTS = {"local disk": ("local", "sync"), "memory, sync": ("memory", "sync"),
             "memory, deferred": ("memory", "deferred")}  # fmt: skip
@@ -88,7 +88,7 @@ def measure(args: argparse.Namespace, root: str) -> dict[str, Any]:
     return {
         "saves": args.saves,
         "rows": rows,
-        **sections.stamp(f"python -m benchmarks.grpo_save --saves {args.saves}"),
+        **sections.stamp(f"python -m benchmarks.grpo.save --saves {args.saves}"),
     }
 
 

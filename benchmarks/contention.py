@@ -1,0 +1,52 @@
+"""Was a benchmark run taken on a busy machine? Load average at its start and end, and a flag.
+
+The development machine has 2 cores shared by several jobs; a ratio of two methods measured
+in the same trial stays fair under competing load (both pay it), but the bare MB/s and the
+CPU-bound figures do not. Every benchmark records the 1-minute load average when it starts
+(before its own work: other jobs only), at its end (its own work included) and, where it has
+trials, at each trial's start; `flag` says 'competing load' when the start exceeded half the
+cores or any reading exceeded 1.5x the cores (more than this benchmark's own threads make).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+
+def now() -> float:
+    return round(os.getloadavg()[0], 2)
+
+
+def record(start: float, trials: list[float] | None = None) -> dict[str, Any]:
+    """The load record of a run that began at load average `start` and ends now."""
+    cores = os.cpu_count() or 1
+    end = now()
+    readings = [end, *(trials or [])]
+    busy = start > 0.5 * cores or max(readings) > 1.5 * cores
+    return {
+        "loadavg_start": start,
+        "loadavg_end": end,
+        "loadavg_trials": list(trials or []),
+        "cores": cores,
+        "competing_load": busy,
+    }
+
+
+def note(rec: dict[str, Any] | None) -> str:
+    """One markdown sentence for a report: the readings, and the flag when raised."""
+    if not rec:
+        return "Load average: not recorded (a run older than this field)."
+    trials = rec.get("loadavg_trials") or []
+    span = f", {min(trials):.1f}-{max(trials):.1f} at trial starts" if trials else ""
+    text = (
+        f"Load average {rec['loadavg_start']:.1f} at the start and {rec['loadavg_end']:.1f} "
+        f"at the end{span} on {rec['cores']} cores."
+    )
+    if rec.get("competing_load"):
+        text = (
+            f"**Taken under competing load** (other jobs shared the cores): {text} The paired "
+            "ratios compare methods measured in the same trial; bare rates and CPU figures are "
+            "pessimistic."
+        )
+    return text
