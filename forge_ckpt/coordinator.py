@@ -45,6 +45,7 @@ from .reshard import ReshardRule
 from .results import LoadResult, SaveResult
 from .runtime import DEFAULT, Runtime
 from .storage import FileRecord, Storage, StorageSpec, open_storage
+from .storage.base import BEFORE_DELETE
 
 log = logging.getLogger("forge_ckpt")
 
@@ -109,9 +110,11 @@ class CheckpointCoordinator:
                 raise CheckpointError("this CheckpointCoordinator is closed")
             self._busy += 1
         token = CURRENT_LEASE.set(self._lease)
+        fence = BEFORE_DELETE.set(self._fresh_lease)
         try:
             return fn(*args)
         finally:
+            BEFORE_DELETE.reset(fence)
             CURRENT_LEASE.reset(token)
             with self._state:
                 self._busy -= 1
@@ -119,6 +122,10 @@ class CheckpointCoordinator:
                 self._closed = self._closed or release
             if release:
                 self._release()
+
+    def _fresh_lease(self) -> None:
+        """Before a delete request: the lease is still held, renewed just now (lock.FRESH_S)."""
+        self._lease.check(fresh=True)
 
     # ---- registration -------------------------------------------------------------------
 

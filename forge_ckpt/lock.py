@@ -82,6 +82,9 @@ def _pid_ns() -> int | None:
 
 # The lease of the coordinator whose call is running (set around each of its storage calls):
 # two coordinators of one process on one folder (a test, the simulation) each use their own.
+# A renewal this recent counts as fresh: a call sent now lands within its bound of it.
+FRESH_S = 1.0
+
 CURRENT: contextvars.ContextVar[Lease | None] = contextvars.ContextVar(
     "forge_ckpt_lease", default=None
 )
@@ -234,7 +237,7 @@ class Lease:
         still holds (a bound under the TTL, counted from this renewal, not from an older one)."""
         with self._mutex:
             self._check_held()
-            if fresh or self.clock() - self._renewed >= self.ttl_s / 3:
+            if self.clock() - self._renewed >= (FRESH_S if fresh else self.ttl_s / 3):
                 self._write()
 
     def record(self, step: int, generation: int) -> None:

@@ -13,10 +13,12 @@ trainer ranks) is its `StorageSpec`: the URL plus options, picklable, with secre
 from __future__ import annotations
 
 import builtins
+import contextvars
 import errno
 import os
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,6 +47,23 @@ ANOTHER = (
 
 class PreconditionFailedError(StorageError):
     """A replace-if-unchanged found a different version than the one read."""
+
+
+# Called right before each request that deletes objects of a listing (set by the
+# coordinator around its storage calls: it checks its lease, renewing it if not just renewed).
+# A listing may take up to a call bound, then the delete another: the lease must still hold
+# when the delete lands, and a writer that lost it meanwhile must not delete what its
+# successor wrote since (a listing made after the take-over names the successor's files).
+BEFORE_DELETE: contextvars.ContextVar[Callable[[], None] | None] = contextvars.ContextVar(
+    "forge_ckpt_before_delete", default=None
+)
+
+
+def before_delete() -> None:
+    """The current fence for a delete request, if any (see BEFORE_DELETE)."""
+    fence = BEFORE_DELETE.get()
+    if fence is not None:
+        fence()
 
 
 DIGESTS = ("blake3", "sha256")

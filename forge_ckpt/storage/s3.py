@@ -31,6 +31,7 @@ from .base import (
     StorageError,
     StorageSpec,
     Writer,
+    before_delete,
     fault,
     join,
 )
@@ -276,6 +277,7 @@ class S3Storage(Storage):
     def delete_prefix(self, prefix: str) -> None:
         keys = [self.key(p) for p, _ in self.walk(prefix)]
         for i in range(0, len(keys), 1000):
+            before_delete()  # the listing may have taken long: still the folder's writer?
             batch = {"Objects": [{"Key": k} for k in keys[i : i + 1000]], "Quiet": True}
             r = self._call("write", prefix, self.client.delete_objects, Delete=batch)
             if r.get("Errors"):
