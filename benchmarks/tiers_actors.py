@@ -36,7 +36,7 @@ def install_timers() -> None:
 
     cls: Any = MemoryStorage
     cls.put_copies = timed("mem_put_copies", cls.put_copies)
-    cls.read = timed("mem_read", cls.read)
+    cls._read = timed("mem_read", cls._read)
 
 
 def tensor_digest(tensors: dict[str, torch.Tensor]) -> str:

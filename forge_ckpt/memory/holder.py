@@ -114,9 +114,9 @@ class Holder:
 
     def room_for(self, key: str, size: int) -> None:
         """Before a streamed put's bytes: refuse a file that can never fit."""
-        if size > self.budget:
+        if size > self.budget:  # dropping older steps would not help
             with self._lock:
-                self._make_room(key, size)  # raises, naming the sizes and the knobs
+                raise self._too_big(key, size, sum(map(len, self.files.values())))
 
     def accept(self, key: str, buf: bytes | bytearray, sums: Checksums, record: dict) -> None:
         """Check the received bytes (checksummed as they came) against the writer's record,
@@ -155,8 +155,11 @@ class Holder:
             used = sum(len(v) for k, v in self.files.items() if k != key)
             if used + size <= self.budget:
                 return
+        raise self._too_big(key, size, used)
+
+    def _too_big(self, key: str, size: int, used: int) -> MemoryBudgetError:
         pinned = f", and step(s) {sorted(self.pinned)} wait to be persisted" if self.pinned else ""
-        raise MemoryBudgetError(
+        return MemoryBudgetError(
             f"memory holder on node {self.node_id} (run {self.run_id}): {key} ({size} bytes) "
             f"does not fit: {used} of {self.budget} bytes are used by the newest "
             f"{self.keep} step(s){pinned}. Raise CheckpointConfig.memory_budget_bytes or lower "
