@@ -215,19 +215,20 @@ def _med(d: dict[str, Any], key: str) -> float:
 def _limits_memory(p: dict[str, Any], cores: int) -> list[str]:
     sec, ph = p["summary"]["seconds"], p["summary"]["phases"]["memory"]
     sv, ld = ph["save"], ph["load"]
-    put, act = _med(sv, "mem_put_copies"), _med(sv, "actor_save")
+    close, act = _med(sv, "mem_close"), _med(sv, "actor_save")
     read, prep = _med(ld, "mem_read"), _med(ld, "actor_prepare_load")
     send = _med(sec, "sock_send")
     recv = min(_med(sec, "sock_recv1"), _med(sec, "sock_recv2")) if send else 0.0
     return [
         f"- **Memory-tier save** ({_med(sec, 'memory_save'):.2f} s): the actor's share is "
-        f"{act:.2f} s, of which {put:.2f} s stream the file to the holders on the head and "
-        "node_b at once (`transport.py`: each holder receives it into the buffer it keeps, "
-        "CRC32C as the bytes arrive, checks the writer's record, acks; the raw transport "
-        f"sends the same two copies in {send:.2f} s) and the rest encodes the state into the "
-        "writer's buffer (one copy per chunk, CRC32C). The driver's share "
-        f"({_med(sv, 'driver'):.2f} s) is the manifest and COMMIT written to every holder, "
-        f"and retention. Everything shares {cores} cores with three raylets.",
+        f"{act:.2f} s: it encodes the state into the writer's buffer (one copy per chunk, "
+        "CRC32C) while two streams send each written part to the holders on the head and "
+        "node_b (`memory/writer.py`; each holder receives into the buffer it keeps, CRC32C as "
+        f"the bytes arrive); after the last byte, {close:.2f} s go to the last parts and the "
+        f"holders' checks and acks. The raw transport sends the same two copies in {send:.2f} "
+        f"s. The driver's share ({_med(sv, 'driver'):.2f} s) is the manifest and COMMIT "
+        f"written to every holder, and retention. Everything shares {cores} cores with three "
+        "raylets.",
         f"- **Memory-tier load** ({_med(sec, 'memory_load'):.2f} s): reading the file takes "
         f"{read:.2f} s of the actor's {prep:.2f} s (node_a holds no copy: the writer's node "
         "never does; the read is split over the two holders, each part streamed into its "

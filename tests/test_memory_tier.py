@@ -254,7 +254,8 @@ def test_bytes_stream_directly_and_fall_back_to_ray(nodes, s3_folder, monkeypatc
     """Files go to and come from the holders over their direct streams (no object store
     entry); with the holders' listeners stopped the same calls go through Ray (a small file
     inline, a large one through the object store) and say so; a listener started again is
-    found (new port and token). A wrong token is refused. DCP's `.metadata.tmp` ->
+    found (new port and token). A wrong token is refused. A file whose size is announced is
+    streamed while it is written (one longer than announced is placed whole). DCP's `.metadata.tmp` ->
     `.metadata` is one rename in every holder, with no copy through the writer."""
     coord = CheckpointCoordinator(config(s3_folder.url, s3_folder.options))
     try:
@@ -269,6 +270,16 @@ def test_bytes_stream_directly_and_fall_back_to_ray(nodes, s3_folder, monkeypatc
         ep = store.endpoint(store.holders[0][0])
         with pytest.raises(TransportError, match="wrong token"):
             transport.get(Endpoint(ep.host, ep.port, "0" * 32), "scratch/large")
+
+        big = os.urandom(6 * 1024**2)
+        for name, hint in (("scratch/streamed", len(big)), ("scratch/longer", len(big) - 1)):
+            w = store.writer(name)  # a snapshot announces its size: streamed as written
+            w.size_hint(hint)  # (too short for "longer": placed whole at close instead)
+            for i in range(0, len(big), 1 << 20):
+                w.write(big[i : i + (1 << 20)])
+            assert w.close().size == len(big) and store.read(name) == big
+            held = [sizes.get(name) for _, sizes in store.on_all("sizes", name)]
+            assert held.count(len(big)) == 2 and puts == []
 
         assert all(e is None for _, e in store.on_all("serve", False))
         with caplog.at_level(logging.WARNING, logger="forge_ckpt"):

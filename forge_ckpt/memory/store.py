@@ -17,7 +17,7 @@ from __future__ import annotations
 import builtins
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -193,15 +193,21 @@ class MemoryStorage(Storage):
                     continue
         return out
 
-    def put_copies(self, path: str, data: Any, record: FileRecord) -> list[str]:
+    def put_copies(
+        self,
+        path: str,
+        data: Any,
+        record: FileRecord,
+        placed: Sequence[str] = (),
+    ) -> list[str]:
         """Hand `data` to `copies` live holders (other nodes first), streamed to all of a
-        batch at once; the node ids that ack."""
+        batch at once; the node ids that ack. `placed`: nodes that already have it."""
         key = self.key(path)
         me = ray.get_runtime_context().get_node_id()
-        order = preference(key, self.holders, me)
+        order = [h for h in preference(key, self.holders, me) if h[1] not in placed]
         view = memoryview(data).cast("B")
         slow = _ViaRay(view)
-        done: list[str] = []
+        done: list[str] = list(placed)
         tried: list[str] = []
         while len(done) < self.copies and order:
             batch, order = order[: self.copies - len(done)], order[self.copies - len(done) :]
@@ -267,7 +273,9 @@ class MemoryStorage(Storage):
 
     # ---- writing ---------------------------------------------------------------------------
     def writer(self, path: str) -> Writer:
-        return _MemWriter(self, path)
+        from .writer import MemWriter
+
+        return MemWriter(self, path)
 
     def publish(self, path: str, data: bytes) -> FileRecord:
         self._everywhere(path, data, overwrite=True)
@@ -455,26 +463,3 @@ class _ViaRay:
                 small = self.view.nbytes <= INLINE_MAX
                 self.ref = self.view.tobytes() if small else ray.put(np.asarray(self.view))
             return self.ref
-
-
-class _MemWriter(Writer):
-    """Buffers the file (it goes to the holders whole), checksummed as it passes."""
-
-    def __init__(self, store: MemoryStorage, path: str) -> None:
-        self.store, self.path = store, path
-        self.buf = bytearray()
-        self.sums = Checksums(store.digest)
-
-    def write(self, data: Any) -> None:
-        mv = memoryview(data).cast("B")
-        self.sums.update(mv)
-        self.buf += mv
-
-    def close(self) -> FileRecord:
-        record = self.sums.record(self.path)
-        data, self.buf = self.buf, bytearray()
-        self.store.put_copies(self.path, data, record)
-        return record
-
-    def abort(self) -> None:
-        self.buf = bytearray()

@@ -25,7 +25,7 @@ import socket
 import socketserver
 import struct
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -142,7 +142,7 @@ class _Handler(socketserver.BaseRequestHandler):
         if h.get("op") != "put":
             send_header(sock, {"ok": False, "error": "TransportError", "message": "bad op"})
             return False
-        key, size, record = str(h["key"]), int(h["size"]), dict(h["record"])
+        key, size, algo = str(h["key"]), int(h["size"]), h.get("algo")
         try:
             files.room_for(key, size)
         except Exception as e:
@@ -150,11 +150,13 @@ class _Handler(socketserver.BaseRequestHandler):
             return False
         send_header(sock, {"ok": True})
         buf = bytearray(size)
-        digest = record.get("digest")
-        sums = Checksums(None if digest is None else str(digest).split(":", 1)[0])
+        sums = Checksums(None if algo is None else str(algo))
         recv_into(sock, memoryview(buf), sums)
+        trailer = recv_header(sock)  # the writer's record: known once every byte was written
+        if trailer is None:
+            return False
         try:
-            files.accept(key, buf, sums, record)
+            files.accept(key, buf, sums, dict(trailer["record"]))
         except Exception as e:
             send_header(sock, error_header(e))
             return True
@@ -289,28 +291,100 @@ def _answer(sock: socket.socket) -> dict[str, Any]:
 def put(ep: Endpoint, key: str, data: memoryview, record: dict[str, Any]) -> None:
     """Hand the bytes to the holder; its refusal (budget, checksum) is raised as the same
     error a put through Ray raises."""
+    _put(ep, key, len(data), _algo(record), [data], lambda: record)
+
+
+def put_feed(ep: Endpoint, key: str, feed: Feed) -> None:
+    """Stream a file to the holder while it is being written (`Feed`)."""
+    _put(ep, key, len(feed.view), feed.algo, feed.parts(), feed.final)
+
+
+def _algo(record: dict[str, Any]) -> str | None:
+    digest = record.get("digest")
+    return None if digest is None else str(digest).split(":", 1)[0]
+
+
+def _put(
+    ep: Endpoint,
+    key: str,
+    size: int,
+    algo: str | None,
+    parts: Iterable[memoryview],
+    record: Callable[[], dict[str, Any]],
+) -> None:
     try:
-        _put(ep, key, data, record)
+        refused = _exchange_put(ep, {"op": "put", "token": ep.token, "key": key, "size": size,
+                                     "algo": algo}, parts, record)  # fmt: skip
     except TransportError as e:
         if isinstance(e.__cause__, _Refused):
             raise remote_error(e.__cause__.header) from None
         raise
+    if refused is not None:
+        raise remote_error(refused)
 
 
-def _put(ep: Endpoint, key: str, data: memoryview, record: dict[str, Any]) -> None:
-    refused: dict[str, Any] | None = None
+def _exchange_put(
+    ep: Endpoint,
+    header: dict[str, Any],
+    parts: Iterable[memoryview],
+    record: Callable[[], dict[str, Any]],
+) -> dict[str, Any] | None:
+    """header, go-ahead, the bytes, the record, the answer; the holder's refusal or None."""
     with _connection(ep) as sock:
-        send_header(sock, {"op": "put", "token": ep.token, "key": key, "size": len(data),
-                           "record": record})  # fmt: skip
+        send_header(sock, header)
         go = _answer(sock)
         if not go["ok"]:
             raise _Refused(go)  # the bytes are not sent: the connection closes
-        sock.sendall(data)
+        for part in parts:
+            sock.sendall(part)
+        send_header(sock, {"record": record()})
         done = _answer(sock)
-        if not done["ok"]:
-            refused = done
-    if refused is not None:
-        raise remote_error(refused)
+    return None if done["ok"] else done
+
+
+class Feed:
+    """A file written into a preallocated buffer of its final size, sent by streams as its
+    bytes come (a save's encoding overlaps its transfer); `cancel()` cuts the streams."""
+
+    def __init__(self, buf: bytearray, algo: str | None) -> None:
+        self.view, self.algo = memoryview(buf), algo
+        self.filled, self.cancelled = 0, False
+        self.record: dict[str, Any] | None = None
+        self.cond = threading.Condition()
+
+    def advance(self, filled: int) -> None:
+        with self.cond:
+            self.filled = filled
+            self.cond.notify_all()
+
+    def finish(self, record: dict[str, Any]) -> None:
+        with self.cond:
+            self.record = record
+            self.cond.notify_all()
+
+    def cancel(self) -> None:
+        with self.cond:
+            self.cancelled = True
+            self.cond.notify_all()
+
+    def parts(self) -> Iterator[memoryview]:
+        sent, n = 0, len(self.view)
+        while sent < n:
+            with self.cond:
+                while self.filled <= sent and not self.cancelled:
+                    self.cond.wait()
+                if self.cancelled:
+                    raise ConnectionError("the writer gave up the file")
+                filled = self.filled
+            yield self.view[sent:filled]
+            sent = filled
+
+    def final(self) -> dict[str, Any]:
+        with self.cond:
+            self.cond.wait_for(lambda: self.record is not None or self.cancelled)
+            if self.record is None:
+                raise ConnectionError("the writer gave up the file")
+            return self.record
 
 
 class _Refused(ConnectionError):
