@@ -30,13 +30,16 @@ TENSORS = 16  # the state is this many float32 tensors (a model's layers, say)
 
 
 def install_timers() -> None:
-    """Time the memory tier's two Ray steps in this process: handing a file to the holders
-    (`ray.put`, holders pull and check it, acks) and reading one back from a holder."""
+    """Time the memory tier's steps in this process: a writer's close (after its last byte:
+    the holders' acks, and placing what the streams did not), and reading a file back."""
     from forge_ckpt.memory.store import MemoryStorage
+    from forge_ckpt.memory.writer import MemWriter
 
     cls: Any = MemoryStorage
     cls.put_copies = timed("mem_put_copies", cls.put_copies)
-    cls.read = timed("mem_read", cls.read)
+    writer: Any = MemWriter
+    writer.close = timed("mem_close", writer.close)
+    cls._read = timed("mem_read", cls._read)
 
 
 def tensor_digest(tensors: dict[str, torch.Tensor]) -> str:

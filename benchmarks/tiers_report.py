@@ -11,7 +11,8 @@ from typing import Any
 from . import sections
 
 BEGIN, END = sections.markers("tiers")
-TARGET_LOAD_SPEEDUP = 5.0  # memory-tier load vs local-disk load (the issue's target)
+TARGET_SPEEDUP = 2.0  # memory-tier save and load vs the local disk's (issue 23)
+TARGET_TRANSPORT = 0.7  # memory-tier save and load throughput / the raw transport's
 MiB = 1 << 20
 
 
@@ -68,14 +69,13 @@ def _header(res: dict[str, Any]) -> list[str]:
 def _saveload(p: dict[str, Any]) -> list[str]:
     s, sec, vr, nb = p["summary"], p["summary"]["seconds"], p["summary"]["vs_raw"], p["bytes"]
     r = s["ratios"]
-    met = r["memory_load_speedup_vs_disk"]["median"] >= TARGET_LOAD_SPEEDUP
     return [
         f"### Save and load of {p['state_mib']} MiB held by one actor",
         "",
         f"One `Checkpointable` actor on node_a holds {nb / MiB:.0f} MiB (16 float32 tensors); "
         "`save()` is synchronous (returns once committed), `load()` restores into the same "
-        f"actor. Median over {len(p['trials'])} trials (min-max); every trial runs the five "
-        "columns in a shuffled order.",
+        f"actor. Median over {len(p['trials'])} trials (min-max); every trial runs the six "
+        "measurements in a shuffled order.",
         "",
         "| | memory tier (2 copies) | local disk | S3 (SeaweedFS) | raw disk |",
         "|---|---:|---:|---:|---:|",
@@ -96,17 +96,48 @@ def _saveload(p: dict[str, Any]) -> list[str]:
         f"{_s(sec['ray_put'])} s, then `ray.get` + CRC32C on the head and node_b at once "
         f"{_s(sec['ray_copies'])} s (of which the slower `ray.get` {_s(sec['ray_get'])} s, "
         f"CRC32C {_s(sec['ray_crc'])} s); node_a pulling a holder's heap copy back (what a "
-        f"load reads) {_s(sec['ray_pull'])} s.",
+        f"load reads) {_s(sec['ray_pull'])} s. (Ray's object store is now only the tier's "
+        "fallback.)",
+        "",
+        *_transport(p),
         "",
         "| Ratio (paired: inside each trial, median over trials) | Target | Measured | Result |",
         "|---|---|---|---|",
-        f"| memory-tier load speedup vs local-disk load | >= {TARGET_LOAD_SPEEDUP:.0f}x | "
-        f"{_x(r['memory_load_speedup_vs_disk'])} | **{'met' if met else 'missed'}** |",
+        _row("memory-tier load speedup vs local-disk load", r["memory_load_speedup_vs_disk"],
+             TARGET_SPEEDUP, "x"),
+        _row("memory-tier save speedup vs local-disk save", r["memory_save_speedup_vs_disk"],
+             TARGET_SPEEDUP, "x"),
+        _row("memory-tier load throughput / raw transport", r.get("memory_load_vs_transport"),
+             TARGET_TRANSPORT),
+        _row("memory-tier save throughput / raw transport", r.get("memory_save_vs_transport"),
+             TARGET_TRANSPORT),
         f"| memory-tier load speedup vs S3 load | - | {_x(r['memory_load_speedup_vs_s3'])} | |",
-        f"| memory-tier save speedup vs local-disk save | - | "
-        f"{_x(r['memory_save_speedup_vs_disk'])} | |",
         f"| memory-tier save speedup vs S3 save | - | {_x(r['memory_save_speedup_vs_s3'])} | |",
         "",
+    ]  # fmt: skip
+
+
+def _row(name: str, d: dict[str, float] | None, target: float, unit: str = "") -> str:
+    if d is None:
+        return f"| {name} | >= {target:g}{unit} | not measured | |"
+    met = "met" if d["median"] >= target else "missed"
+    shown = _x(d) if unit == "x" else _s(d)
+    return f"| {name} | >= {target:g}{unit} | {shown} | **{met}** |"
+
+
+def _transport(p: dict[str, Any]) -> list[str]:
+    """The raw transport's line (absent from runs made before it was measured)."""
+    sec, nb = p["summary"]["seconds"], p["bytes"]
+    if "sock_send" not in sec:
+        return []
+    return [
+        "Raw transport under the tier's data plane, same bytes, no forge_ckpt (plain TCP "
+        "`sendall` / `recv_into` between actors on different nodes, `benchmarks/tiers_raw.py`): "
+        f"node_a to the head and node_b at once {_s(sec['sock_send'])} s "
+        f"({_mbs(nb, sec['sock_send'])} MB/s per copy); node_a receiving from the head "
+        f"{_s(sec['sock_recv1'])} s ({_mbs(nb, sec['sock_recv1'])} MB/s), from the head and "
+        f"node_b, half each, {_s(sec['sock_recv2'])} s ({_mbs(nb, sec['sock_recv2'])} MB/s). "
+        "A load is compared with the faster of the two reads of its trial."
     ]
 
 
@@ -182,33 +213,28 @@ def _med(d: dict[str, Any], key: str) -> float:
 
 
 def _limits_memory(p: dict[str, Any], cores: int) -> list[str]:
-    sec, ph, nb = p["summary"]["seconds"], p["summary"]["phases"]["memory"], p["bytes"]
+    sec, ph = p["summary"]["seconds"], p["summary"]["phases"]["memory"]
     sv, ld = ph["save"], ph["load"]
-    put, act = _med(sv, "mem_put_copies"), _med(sv, "actor_save")
-    raw = _med(sec, "ray_put") + _med(sec, "ray_copies")
-    pull, read = _med(sec, "ray_pull"), _med(ld, "mem_read")
-    prep = _med(ld, "actor_prepare_load")
-    mbs = nb / _med(sec, "ray_get") / 1e6
+    close, act = _med(sv, "mem_close"), _med(sv, "actor_save")
+    read, prep = _med(ld, "mem_read"), _med(ld, "actor_prepare_load")
+    send = _med(sec, "sock_send")
+    recv = min(_med(sec, "sock_recv1"), _med(sec, "sock_recv2")) if send else 0.0
     return [
         f"- **Memory-tier save** ({_med(sec, 'memory_save'):.2f} s): the actor's share is "
-        f"{act:.2f} s, of which {put:.2f} s hand the file to the holders (`ray.put` in the "
-        "actor, then the holders on the head and node_b each pull the object from node_a's "
-        "store, CRC32C it and keep a heap copy, then ack) and the rest encodes the state into "
-        "the writer's buffer (one copy per chunk with CRC32C, then a join into one `bytes`). "
-        f"The same bytes through Ray alone (put + two pulls + CRC32C) take {raw:.2f} s: the "
-        f"save is bound by Ray's object transfer between raylets (~{mbs:.0f} MB/s per pull "
-        "here: chunked gRPC over loopback), then by the memory copies and CRC32C on both "
-        f"sides, all on {cores} cores shared by the writer, both holders, three raylets and "
-        f"whatever else runs. The driver's share ({_med(sv, 'driver'):.2f} s) is the manifest "
-        "and COMMIT written to every holder, and retention.",
-        f"- **Memory-tier load** ({_med(sec, 'memory_load'):.2f} s): reading the file back "
-        f"takes {read:.2f} s of the actor's {prep:.2f} s (node_a holds no copy: the writer's "
-        "node never does. Each holder returns a numpy view of its heap copy, which Ray puts "
-        "into that holder's store out of band and pulls to node_a; the file is read as one "
-        "part from each holder, in parallel, copied into one `bytearray` by "
-        "`MemoryStorage.read`); CRC32C and decoding (tensors are views of that buffer) are "
-        f"the rest. Ray alone pulls the same bytes from one holder in {pull:.2f} s: the load "
-        "is bound by Ray's transfers between raylets on this machine.",
+        f"{act:.2f} s: it encodes the state into the writer's buffer (one copy per chunk, "
+        "CRC32C) while two streams send each written part to the holders on the head and "
+        "node_b (`memory/writer.py`; each holder receives into the buffer it keeps, CRC32C as "
+        f"the bytes arrive); after the last byte, {close:.2f} s go to the last parts and the "
+        f"holders' checks and acks. The raw transport sends the same two copies in {send:.2f} "
+        f"s. The driver's share ({_med(sv, 'driver'):.2f} s) is the manifest and COMMIT "
+        f"written to every holder, and retention. Everything shares {cores} cores with three "
+        "raylets.",
+        f"- **Memory-tier load** ({_med(sec, 'memory_load'):.2f} s): reading the file takes "
+        f"{read:.2f} s of the actor's {prep:.2f} s (node_a holds no copy: the writer's node "
+        "never does; the read is split over the two holders, each part streamed into its "
+        f"place in one buffer; the raw transport's faster read takes {recv:.2f} s); CRC32C "
+        "and decoding (tensors are views of that buffer) are the rest, then the driver's "
+        "calls (listing the steps, checking the step is whole).",
     ]
 
 
@@ -232,22 +258,23 @@ def _limits_durable(p: dict[str, Any]) -> list[str]:
 
 
 def _target_note(p: dict[str, Any]) -> list[str]:
-    """Why the load-speedup target is missed, when it is."""
-    sec, nb = p["summary"]["seconds"], p["bytes"]
-    ratio = p["summary"]["ratios"]["memory_load_speedup_vs_disk"]["median"]
-    if ratio >= TARGET_LOAD_SPEEDUP:
+    """What bounds the memory tier's ratios against the disk when a target is missed."""
+    sec, nb, r = p["summary"]["seconds"], p["bytes"], p["summary"]["ratios"]
+    worst = min(r["memory_load_speedup_vs_disk"]["median"],
+                r["memory_save_speedup_vs_disk"]["median"])  # fmt: skip
+    if worst >= TARGET_SPEEDUP or "sock_send" not in sec:
         return []
-    pull, cold = nb / _med(sec, "ray_pull") / 1e6, nb / _med(sec, "raw_read") / 1e6
-    extra = _med(sec, "memory_load") - _med(sec, "ray_pull")
+    send, cold = nb / _med(sec, "sock_send") / 1e6, nb / _med(sec, "raw_read") / 1e6
+    write = nb / _med(sec, "raw_write") / 1e6
+    recv = nb / min(_med(sec, "sock_recv1"), _med(sec, "sock_recv2")) / 1e6
     return [
-        f"- **Why the {TARGET_LOAD_SPEEDUP:.0f}x load target is missed here** "
-        f"({ratio:.2f}x): a memory-tier load can only be as fast as Ray moving the bytes from a "
-        f"holder, and on this VM Ray pulls ~{pull:.0f} MB/s between its three raylets (same "
-        f"2 cores, loopback) while the disk reads ~{cold:.0f} MB/s cold. The target needs the "
-        "opposite: a transfer from a peer's RAM that beats the durable tier (many cores per "
-        "node and a fast network, or a slow or remote durable tier); this single VM cannot "
-        f"show it. What forge_ckpt adds on top of Ray's pull is {extra:.2f} s per load "
-        "(one more copy into a `bytearray`, CRC32C, decoding, the driver's calls).",
+        f"- **Against the disk** (worst {worst:.2f}x, target {TARGET_SPEEDUP:g}x): a memory "
+        "save or load can be at most as fast as the raw transport, which here moves "
+        f"~{send:.0f} MB/s per copy to two holders at once and reads ~{recv:.0f} MB/s, on "
+        f"the same 2 cores as every process of the cluster; the disk writes ~{write:.0f} MB/s "
+        f"(with fsync) and reads ~{cold:.0f} MB/s cold. Where the raw transport is not 2x "
+        "the disk, no data plane reaches 2x here; on separate machines each holder "
+        "receives on its own cores and the network's bandwidth sets the bound.",
     ]
 
 

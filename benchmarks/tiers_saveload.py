@@ -8,11 +8,13 @@ the same actor) are timed against three targets, with the raw disk measured in t
   page cache;
 - s3: the SeaweedFS server; its data folder is evicted from the page cache before the load;
 - raw: `disk.python_write` (write + fsync) and `disk.cold_read` of as many bytes as the step;
-- ray: the memory tier's path without forge_ckpt: `ray.put` of as many bytes on node_a, then
+- sock: the raw transport under the memory tier's data plane (`tiers_raw.py`): plain TCP
+  send/recv of as many bytes between actors on node_a, the head and node_b;
+- ray: Ray's object store path (the memory tier's fallback) without forge_ckpt: `ray.put` of as many bytes on node_a, then
   `ray.get` + CRC32C on the head and on node_b at once (two copies, as `memory_copies=2`), then
   node_a pulls the head's heap copy back (a call's return value, as a memory load reads).
 
-Every trial runs the five in an order shuffled by the trial number; each save holds a state
+Every trial runs the six in an order shuffled by the trial number; each save holds a state
 drawn from a fresh seed, and each load is checked against it by a digest computed in the actor.
 """
 
@@ -31,7 +33,7 @@ import ray
 
 from forge_ckpt import CheckpointConfig, CheckpointCoordinator, commit
 
-from . import disk
+from . import disk, tiers_raw
 from .tiers_actors import Probe, TensorState
 from .tiers_env import Env, spawn
 from .tiers_stats import VerifyError, check, paired, spread
@@ -47,6 +49,7 @@ class Ctx:
     env: Env
     actor: Any  # the TensorState actor on node_a
     probes: dict[str, Any]  # a Probe actor on each node: the raw Ray transfer
+    peers: dict[str, Any]  # a RawPeer actor on each node: the raw socket transfer
     coords: dict[str, CheckpointCoordinator]
     state_bytes: int
     nbytes: int = 0  # bytes of one step (from the warm-up): the raw baseline's size
@@ -141,12 +144,14 @@ async def raw_ray(c: Ctx) -> dict[str, Any]:
 
 
 async def _trial(c: Ctx, trial: int) -> dict[str, Any]:
-    order = [*TARGETS, "raw", "ray"]
+    order = [*TARGETS, "raw", "ray", "sock"]
     random.Random(trial).shuffle(order)
     row: dict[str, Any] = {"order": order, "loadavg": os.getloadavg()[0]}
     for name in order:
         if name in TARGETS:
             row[name] = await one_target(c, name)
+        elif name == "sock":
+            row[name] = await tiers_raw.measure(c.peers, c.nbytes)
         else:
             row[name] = await (raw_disk(c) if name == "raw" else raw_ray(c))
     log.info("saveload trial %d: %s", trial, _brief(row))
@@ -158,7 +163,9 @@ def _brief(row: dict[str, Any]) -> str:
         f"{t} save {row[t]['save_s']:.2f}s load {row[t]['load_s']:.2f}s" for t in TARGETS
     ) + (
         f", raw write {row['raw']['write_s']:.2f}s read {row['raw']['read_s']:.2f}s, ray put "
-        f"{row['ray']['put_s']:.2f}s + 2 copies {row['ray']['copies_s']:.2f}s"
+        f"{row['ray']['put_s']:.2f}s + 2 copies {row['ray']['copies_s']:.2f}s, socket 2 "
+        f"copies {row['sock']['send_s']:.2f}s, recv {row['sock']['recv1_s']:.2f}s / "
+        f"{row['sock']['recv2_s']:.2f}s (1 / 2 streams)"
     )
 
 
@@ -170,6 +177,8 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     seconds["raw_read"] = spread(r["raw"]["read_s"] for r in rows)
     for k in ("put", "copies", "get", "crc", "pull"):
         seconds[f"ray_{k}"] = spread(r["ray"][f"{k}_s"] for r in rows)
+    for k in ("send", "recv1", "recv2"):
+        seconds[f"sock_{k}"] = spread(r["sock"][f"{k}_s"] for r in rows)
 
     def speedup(other: str, op: str) -> dict[str, float]:
         return paired(rows, lambda r: r[other][f"{op}_s"] / r["memory"][f"{op}_s"])
@@ -178,13 +187,18 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     for t in TARGETS:  # throughput against the raw disk's (higher is better)
         vs_raw[f"{t}_save"] = spread(r["raw"]["write_s"] / r[t]["save_s"] for r in rows)
         vs_raw[f"{t}_load"] = spread(r["raw"]["read_s"] / r[t]["load_s"] for r in rows)
+    ratios = {f"memory_{op}_speedup_vs_{other}": speedup(other, op)
+              for op in ("load", "save") for other in ("disk", "s3")}  # fmt: skip
+    # Throughput against the raw transport's (its faster read: one stream or two).
+    ratios["memory_save_vs_transport"] = paired(
+        rows, lambda r: r["sock"]["send_s"] / r["memory"]["save_s"]
+    )
+    ratios["memory_load_vs_transport"] = paired(
+        rows, lambda r: min(r["sock"]["recv1_s"], r["sock"]["recv2_s"]) / r["memory"]["load_s"]
+    )
     return {
         "seconds": seconds,
-        "ratios": {
-            f"memory_{op}_speedup_vs_{other}": speedup(other, op)
-            for op in ("load", "save")
-            for other in ("disk", "s3")
-        },
+        "ratios": ratios,
         "vs_raw": vs_raw,
         "phases": {t: _phases(rows, t) for t in TARGETS},
     }
@@ -209,11 +223,12 @@ async def _setup(env: Env, state_bytes: int) -> Ctx:
     actor = spawn(TensorState, "node_a")
     await actor.ping.remote()
     probes = {n: spawn(Probe, n) for n in ("head", "node_a", "node_b")}
+    peers = {n: spawn(tiers_raw.RawPeer, n) for n in ("head", "node_a", "node_b")}
     coords: dict[str, CheckpointCoordinator] = {}
     for name, cfg in _configs(env, state_bytes).items():
         coords[name] = await asyncio.to_thread(CheckpointCoordinator, cfg)
         coords[name].register("state", actor)
-    return Ctx(env, actor, probes, coords, state_bytes)
+    return Ctx(env, actor, probes, peers, coords, state_bytes)
 
 
 async def _teardown(c: Ctx) -> None:
@@ -221,7 +236,7 @@ async def _teardown(c: Ctx) -> None:
         if coord.tier is not None:
             await asyncio.to_thread(coord.tier.shutdown)
         coord.close()
-    for a in [c.actor, *c.probes.values()]:
+    for a in [c.actor, *c.probes.values(), *c.peers.values()]:
         ray.kill(a)
     for cfg_name in ("memory", "disk"):
         shutil.rmtree(c.coords[cfg_name].config.folder, ignore_errors=True)
@@ -235,6 +250,7 @@ async def run(env: Env, mib: int, trials: int) -> dict[str, Any]:
         warm = {t: await one_target(c, t) for t in TARGETS}
         c.nbytes = warm["disk"]["bytes"]
         warm["ray"] = await raw_ray(c)
+        warm["sock"] = await tiers_raw.measure(c.peers, c.nbytes)
         rows = [await _trial(c, t) for t in range(trials)]
     finally:
         await _teardown(c)

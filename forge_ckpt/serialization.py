@@ -274,6 +274,7 @@ class Snapshot:
     def write_to(self, store: Storage, relpath: str) -> FileRecord:
         """Write the file durably, checksummed as it goes; on error the partial file is removed."""
         with store.writer(relpath, exclusive=True) as w:
+            w.size_hint(self.nbytes)
             out = _Out(w)
             out.put(MAGIC + struct.pack("<Q", self._header.nbytes))
             out.put(self._header)

@@ -36,7 +36,9 @@ from forge_ckpt import (  # noqa: E402
     committed_steps,
     layout,
 )
+from forge_ckpt.memory import transport  # noqa: E402
 from forge_ckpt.memory.choose import candidates  # noqa: E402
+from forge_ckpt.memory.transport import Endpoint, TransportError  # noqa: E402
 from forge_ckpt.storage import open_storage  # noqa: E402
 
 HERE = os.path.abspath(__file__)
@@ -248,9 +250,13 @@ def test_large_reads_are_spread_over_the_copies(nodes, s3_folder, monkeypatch):
         coord.close()
 
 
-def test_small_files_go_inline_and_rename_moves_every_copy(nodes, s3_folder, monkeypatch):
-    """A small file rides in the holder call (no object store entry); DCP's `.metadata.tmp`
-    -> `.metadata` is one rename in every holder, with no copy through the writer."""
+def test_bytes_stream_directly_and_fall_back_to_ray(nodes, s3_folder, monkeypatch, caplog):
+    """Files go to and come from the holders over their direct streams (no object store
+    entry); with the holders' listeners stopped the same calls go through Ray (a small file
+    inline, a large one through the object store) and say so; a listener started again is
+    found (new port and token). A wrong token is refused. A file whose size is announced is
+    streamed while it is written (one longer than announced is placed whole). DCP's `.metadata.tmp` ->
+    `.metadata` is one rename in every holder, with no copy through the writer."""
     coord = CheckpointCoordinator(config(s3_folder.url, s3_folder.options))
     try:
         store = coord.tier.store
@@ -260,12 +266,36 @@ def test_small_files_go_inline_and_rename_moves_every_copy(nodes, s3_folder, mon
         small, large = os.urandom(1000), os.urandom(200_000)
         store.write("scratch/small.tmp", small)
         store.write("scratch/large", large)
-        assert puts == [len(large)]
+        assert puts == [] and store.read("scratch/large") == large
+        ep = store.endpoint(store.holders[0][0])
+        with pytest.raises(TransportError, match="wrong token"):
+            transport.get(Endpoint(ep.host, ep.port, "0" * 32), "scratch/large")
+
+        big = os.urandom(6 * 1024**2)
+        for name, hint in (("scratch/streamed", len(big)), ("scratch/longer", len(big) - 1)):
+            w = store.writer(name)  # a snapshot announces its size: streamed as written
+            w.size_hint(hint)  # (too short for "longer": placed whole at close instead)
+            for i in range(0, len(big), 1 << 20):
+                w.write(big[i : i + (1 << 20)])
+            assert w.close().size == len(big) and store.read(name) == big
+            held = [sizes.get(name) for _, sizes in store.on_all("sizes", name)]
+            assert held.count(len(big)) == 2 and puts == []
+
+        assert all(e is None for _, e in store.on_all("serve", False))
+        with caplog.at_level(logging.WARNING, logger="forge_ckpt"):
+            store.write("scratch/small2", small)
+            store.write("scratch/large2", large)
+            assert store.read("scratch/large") == large and store.read("scratch/large2") == large
+        assert puts == [len(large)] and "direct stream failed" in caplog.text
+        assert all(e is not None for _, e in store.on_all("serve", True))
+        store.write("scratch/large3", large)
+        assert puts == [len(large)] and store.read("scratch/large3") == large
+
         store.rename("scratch/small.tmp", "scratch/small")
         sizes = [sizes for _, sizes in store.on_all("sizes", "scratch/")]
         assert sum("scratch/small" in s for s in sizes) == 2  # both copies moved
         assert not any("scratch/small.tmp" in s for s in sizes)
-        assert store.read("scratch/small") == small and store.read("scratch/large") == large
+        assert store.read("scratch/small") == small and store.read("scratch/small2") == small
         with pytest.raises(FileNotFoundError, match="no live memory holder has it"):
             store.rename("scratch/small.tmp", "scratch/other")
         store.delete_prefix("scratch")

@@ -6,6 +6,10 @@ Keys are paths relative to the memory tier's root (`step-N/...`). A holder only 
 whole step: the oldest ones beyond `keep` when a put does not fit (never a pinned one: a step
 waiting to be persisted), or when asked to.
 
+Bulk bytes come and go over the holder's own listener (`transport.py`: a TCP stream straight
+between the two processes, received into the buffer that is kept); Ray calls carry the
+control and, for a client that cannot reach the listener, the bytes as before.
+
 The actor is threaded (`max_concurrency`): a persist that writes for minutes, or a large read,
 never holds up a put or a control call, so a holder busy persisting never looks dead. One lock
 guards the file table; bytes are fetched, checksummed and written outside it.
@@ -21,7 +25,15 @@ import numpy as np
 import ray
 
 from ..errors import CheckpointError
-from ..storage.base import FileRecord, StorageSpec, check_record, checksums_of, crc32c_of_bytes
+from ..storage.base import (
+    Checksums,
+    FileRecord,
+    StorageSpec,
+    check_record,
+    checksums_of,
+    crc32c_of_bytes,
+)
+from .transport import Server
 
 _STEP_RE = re.compile(r"^step-(\d+)(/|$)")
 MAX_CONCURRENCY = 16  # calls a holder serves at once (puts of many writers, reads, a persist)
@@ -45,11 +57,27 @@ class Holder:
     ) -> None:
         self.run_id, self.fingerprint, self.incarnation = run_id, fingerprint, incarnation
         self.budget, self.keep = budget, keep
-        self.files: dict[str, bytes] = {}
+        self.files: dict[str, bytes | bytearray] = {}
         self.pinned: set[int] = set()  # steps waiting to be persisted: never dropped for room
         self.persisting = 0  # persists in progress (for info())
         self._lock = threading.Lock()
         self.node_id = ray.get_runtime_context().get_node_id()
+        self._server: Server | None = None
+        self.serve(True)
+
+    def serve(self, on: bool = True) -> dict[str, Any] | None:
+        """Start (or stop) the direct listener on this node's address; its endpoint. (Stopped:
+        clients fall back to Ray's object store, as tests check.)"""
+        if self._server is not None and not on:
+            self._server.stop()
+            self._server = None
+        elif self._server is None and on:
+            self._server = Server(ray.util.get_node_ip_address(), self)
+        return self.endpoint()
+
+    def endpoint(self) -> dict[str, Any] | None:
+        """Where to stream bytes to and from this holder (None: use Ray)."""
+        return None if self._server is None else self._server.endpoint.to_dict()
 
     def info(self) -> dict[str, Any]:
         with self._lock:
@@ -76,18 +104,41 @@ class Holder:
                 self.pinned.discard(step)
 
     def put(self, key: str, refs: list[Any], record: dict) -> int:
-        """Fetch the writer's object (Ray moves it node to node), check it, keep it. A small
-        file comes as bytes in the call instead of a reference."""
+        """Fetch the writer's object (Ray moves it node to node), check it, keep it: the path
+        when the direct stream cannot be used. A small file comes as bytes in the call."""
         data = refs[0] if isinstance(refs[0], bytes) else ray.get(refs[0])
         buf = bytes(data) if not isinstance(data, bytes) else data
         rec = FileRecord.from_dict(record)
-        algo = None if rec.digest is None else rec.digest.split(":", 1)[0]
-        c = checksums_of(buf, algo)
-        check_record(f"mem holder {self.node_id[:8]}:{key}", c.size, c.crc, rec, c.record(key))
+        self.accept(key, buf, checksums_of(buf, _algo(rec)), record)
+        return len(buf)
+
+    def room_for(self, key: str, size: int) -> None:
+        """Before a streamed put's bytes: refuse a file that can never fit."""
+        if size > self.budget:  # dropping older steps would not help
+            with self._lock:
+                raise self._too_big(key, size, sum(map(len, self.files.values())))
+
+    def accept(self, key: str, buf: bytes | bytearray, sums: Checksums, record: dict) -> None:
+        """Check the received bytes (checksummed as they came) against the writer's record,
+        then keep them, making room."""
+        rec = FileRecord.from_dict(record)
+        where = f"mem holder {self.node_id[:8]}:{key}"
+        check_record(where, sums.size, f"{sums.crc:08x}", rec, sums.record(key))
         with self._lock:
             self._make_room(key, len(buf))
             self.files[key] = buf
-        return len(buf)
+
+    def view(
+        self, key: str, start: int, end: int | None, limit: int | None
+    ) -> tuple[int | None, memoryview | None]:
+        """(file size, bytes [start, end)) for a streamed read; no bytes when the range is
+        longer than `limit`; (None, None) when absent."""
+        with self._lock:
+            data = self.files.get(key)
+        if data is None:
+            return None, None
+        view = memoryview(data)[start:end]
+        return len(data), (None if limit is not None and len(view) > limit else view)
 
     def _make_room(self, key: str, size: int) -> None:
         """Drop whole steps older than the newest `keep` (never a pinned one) until `size`
@@ -104,8 +155,11 @@ class Holder:
             used = sum(len(v) for k, v in self.files.items() if k != key)
             if used + size <= self.budget:
                 return
+        raise self._too_big(key, size, used)
+
+    def _too_big(self, key: str, size: int, used: int) -> MemoryBudgetError:
         pinned = f", and step(s) {sorted(self.pinned)} wait to be persisted" if self.pinned else ""
-        raise MemoryBudgetError(
+        return MemoryBudgetError(
             f"memory holder on node {self.node_id} (run {self.run_id}): {key} ({size} bytes) "
             f"does not fit: {used} of {self.budget} bytes are used by the newest "
             f"{self.keep} step(s){pinned}. Raise CheckpointConfig.memory_budget_bytes or lower "
@@ -205,6 +259,10 @@ class Holder:
             with self._lock:
                 self.persisting -= 1
         return out
+
+
+def _algo(rec: FileRecord) -> str | None:
+    return None if rec.digest is None else rec.digest.split(":", 1)[0]
 
 
 _OPTIONS: dict[str, Any] = {"num_cpus": 0, "max_restarts": 0, "max_concurrency": MAX_CONCURRENCY}

@@ -1,9 +1,12 @@
 """`MemoryStorage`: the `mem://<run_id>` backend, so every unit writes the memory tier through
 the same seam (`open_storage(spec)`) as a folder, with no protocol of its own.
 
-A writer buffers its file and checksums it as every writer does; `close()` puts the bytes in
-the writer's own object store (`ray.put`) and hands the reference to `copies` holders on other
-nodes, which pull it node to node, check size and crc32c against the record and keep it.
+A writer buffers its file and checksums it as every writer does; `close()` streams the bytes
+straight to `copies` holders on other nodes at once (`transport.py`), which receive them into
+the buffer they keep, checksumming as they arrive, check size and crc32c against the record
+and ack. A holder that cannot be reached directly (no listener, a cut stream) while Ray says
+it lives gets the bytes the old way: `ray.put` in the writer, pulled node to node by the holder.
+Reads stream from a holder into one preallocated buffer, with the same fallback.
 Control files (manifest, COMMIT) go to every live holder. There is no lease and no atomic
 create across holders: the durable folder's lease already makes the coordinator the only
 writer (see docs/tiers.md). Reads ask any live holder that has the file.
@@ -14,6 +17,8 @@ from __future__ import annotations
 import builtins
 import logging
 import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -31,7 +36,9 @@ from ..storage.base import (
     crc32c_of_bytes,
     join,
 )
+from . import transport
 from .placement import HolderRef, preference
+from .transport import Endpoint, TransportError
 
 log = logging.getLogger("forge_ckpt")
 SCHEME = "mem://"
@@ -43,7 +50,23 @@ READ_CHUNK = 32 * 1024**2  # a read from other nodes of 2 of these or more is sp
 INLINE_MAX = 64 * 1024
 _DEAD = (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError, ValueError)
 _handles: dict[tuple[str, str], Any] = {}
+_endpoints: dict[tuple[str, str], Endpoint | None] = {}  # None: the holder has no listener
+_warned: set[str] = set()  # holders whose stream failed (warned once)
 _lock = threading.Lock()
+_pool: ThreadPoolExecutor | None = None
+DEAD, FALLBACK = "dead", "fallback"  # outcomes of a direct exchange other than its result
+
+
+def _threads() -> ThreadPoolExecutor:
+    """Threads that stream to (or from) several holders at once (they wait on sockets)."""
+    global _pool
+    with _lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(16, thread_name_prefix="forge-mem")
+        return _pool
+
+
+_GONE = object()  # a read's holder is dead
 
 
 class _LostMidRead(Exception):
@@ -54,6 +77,9 @@ def forget(namespace: str, name: str) -> None:
     """Drop a cached handle (its holder was retired: a new one takes the name)."""
     with _lock:
         _handles.pop((namespace, name), None)
+        ep = _endpoints.pop((namespace, name), None)
+    if ep is not None:
+        transport.forget(ep)
 
 
 def _unwrap(e: BaseException) -> BaseException:
@@ -94,6 +120,49 @@ class MemoryStorage(Storage):
                 _handles[k] = ray.get_actor(name, namespace=self.namespace)
             return _handles[k]
 
+    def endpoint(self, name: str, refresh: bool = False) -> Endpoint | None:
+        """Where the holder streams (asked through Ray once, then cached); None if it has
+        no listener. Raises a `_DEAD` error if the holder is gone."""
+        k = (self.namespace, name)
+        with _lock:
+            if not refresh and k in _endpoints:
+                return _endpoints[k]
+        found = self.call((name, ""), "endpoint", timeout=60.0)
+        ep = None if found is None else Endpoint.from_dict(found)
+        with _lock:
+            old = _endpoints.get(k)
+            _endpoints[k] = ep
+        if old is not None and old != ep:
+            transport.forget(old)
+        return ep
+
+    def direct(self, ref: HolderRef, fn: Callable[[Endpoint], Any]) -> tuple[str, Any]:
+        """`fn(endpoint)` over the holder's stream: ("ok", result); (DEAD, why) when Ray says
+        the holder is gone; (FALLBACK, why) when it lives but cannot be streamed to (the
+        caller then goes through Ray). A failed stream is tried once more, on a fresh
+        connection to the endpoint Ray gives now (a holder restarted elsewhere)."""
+        why = "no listener"
+        for retry in (False, True):
+            try:
+                ep = self.endpoint(ref[0], refresh=retry)
+            except _DEAD as e:
+                return DEAD, type(e).__name__
+            if ep is None:
+                continue  # asked again: a listener may have started since
+            try:
+                result = fn(ep)
+            except TransportError as e:
+                why = str(e)
+                transport.forget(ep)
+                continue
+            _warned.discard(ref[0])
+            return "ok", result
+        if ref[0] not in _warned:  # once per holder until its stream works again
+            _warned.add(ref[0])
+            log.warning("memory holder on node %s: direct stream failed (%s); using Ray's "
+                        "object store", ref[1][:8], why)  # fmt: skip
+        return FALLBACK, why
+
     def call(self, ref: HolderRef, method: str, *args: Any, timeout: float = 60.0) -> Any:
         """One holder call; raises a `_DEAD` error if the holder is gone."""
         for attempt in (0, 1):
@@ -124,25 +193,32 @@ class MemoryStorage(Storage):
                     continue
         return out
 
-    def put_copies(self, path: str, data: np.ndarray, record: FileRecord) -> list[str]:
-        """Hand `data` to `copies` live holders (other nodes first); the node ids that ack."""
+    def put_copies(
+        self,
+        path: str,
+        data: Any,
+        record: FileRecord,
+        placed: Sequence[str] = (),
+    ) -> list[str]:
+        """Hand `data` to `copies` live holders (other nodes first), streamed to all of a
+        batch at once; the node ids that ack. `placed`: nodes that already have it."""
         key = self.key(path)
         me = ray.get_runtime_context().get_node_id()
-        order = preference(key, self.holders, me)
-        ref = data.tobytes() if data.nbytes <= INLINE_MAX else ray.put(data)
-        done: list[str] = []
+        order = [h for h in preference(key, self.holders, me) if h[1] not in placed]
+        view = memoryview(data).cast("B")
+        slow = _ViaRay(view)
+        done: list[str] = list(placed)
         tried: list[str] = []
         while len(done) < self.copies and order:
             batch, order = order[: self.copies - len(done)], order[self.copies - len(done) :]
-            what = (key, ref, record)
-            futs = [(h, self._put(h, what, refresh=False)) for h in batch]
+            futs = [(h, _threads().submit(self._place, h, key, view, record, slow)) for h in batch]
             for h, fut in futs:
-                problem = self._await_put(h, fut, what)
+                problem = fut.result()
                 if problem is None:
                     done.append(h[1])
                 else:
                     tried.append(f"{h[1][:8]} ({problem})")
-        del ref
+        slow.ref = None
         if len(done) < self.copies:
             raise StorageError(
                 f"{self.where(path)}: only {len(done)} of {self.copies} copies could be placed "
@@ -151,6 +227,20 @@ class MemoryStorage(Storage):
         if me in done:
             log.warning("%s: a copy is on the writer's own node (too few other nodes)", key)
         return done
+
+    def _place(
+        self, h: HolderRef, key: str, view: memoryview, record: FileRecord, slow: _ViaRay
+    ) -> str | None:
+        """One copy: streamed, or through Ray when the holder lives but cannot be streamed
+        to. None when placed, else why not; a holder's refusal (budget, checksum) raises."""
+        rec = record.to_dict()
+        how, why = self.direct(h, lambda ep: transport.put(ep, key, view, rec))
+        if how == "ok":
+            return None
+        if how == DEAD:
+            return str(why)
+        what = (key, slow.get(), record)
+        return self._await_put(h, self._put(h, what, refresh=False), what)
 
     def _put(self, h: HolderRef, what: tuple[str, Any, FileRecord], refresh: bool) -> Any | None:
         """Start one holder's put of (key, object ref or the small file's bytes, record); None
@@ -184,7 +274,9 @@ class MemoryStorage(Storage):
     # ---- writing ---------------------------------------------------------------------------
     def writer(self, path: str, exclusive: bool = False) -> Writer:
         """`exclusive` is moot here: a run's memory steps are its own (the incarnation)."""
-        return _MemWriter(self, path)
+        from .writer import MemWriter
+
+        return MemWriter(self, path)
 
     def publish(self, path: str, data: bytes) -> FileRecord:
         self._everywhere(path, data, overwrite=True)
@@ -220,25 +312,68 @@ class MemoryStorage(Storage):
 
     # ---- reading ---------------------------------------------------------------------------
     def read(self, path: str, start: int = 0, end: int | None = None) -> bytearray:
-        """From a holder on this node if one has the file (no network); a large read from
-        other nodes is split over every holder that has it, in parallel. One round trip for
-        a small file: a holder answers a large range with its size instead of the bytes."""
-        key = self.key(path)
+        """From a holder on this node if one has the file; a large read from other nodes is
+        split over every holder that has it, in parallel, each part streamed into its place
+        in one buffer. One round trip for a small file: a holder answers a large range with
+        its size instead of the bytes."""
+        return self._read(self.key(path), start, end, None)
+
+    def read_verified(self, path: str, expected: FileRecord | None = None) -> bytearray:
+        """The whole file, checksummed as it arrives when it comes in one stream."""
+        from ..storage.base import check_record, expected_algo
+
+        sums = None if expected is None else Checksums(expected_algo(expected))
+        try:
+            buf = self._read(self.key(path), 0, None, sums)
+        except FileNotFoundError:
+            from ..errors import CheckpointCorruptError
+
+            raise CheckpointCorruptError(self.where(path), "file is missing") from None
+        if expected is not None:
+            assert sums is not None
+            if sums.size != len(buf):  # spread over holders, or via Ray: not checksummed yet
+                sums = Checksums(expected_algo(expected))
+                sums.update(memoryview(buf))
+            check_record(self.where(path), sums.size, sums.crc, expected, sums.record(path))
+        return buf
+
+    def _read(self, key: str, start: int, end: int | None, sums: Checksums | None) -> bytearray:
         me = ray.get_runtime_context().get_node_id()
         ranked = preference(key, self.holders, me)
         for ref in [r for r in ranked if r[1] == me] + [r for r in ranked if r[1] != me]:
             limit = None if ref[1] == me else 2 * READ_CHUNK
-            try:
-                data = self.call(ref, "get", key, start, end, limit, timeout=CALL_TIMEOUT_S)
-                if isinstance(data, int):  # large, on another node
-                    data = self._read_large(key, ref, start, min(end or data, data))
-            except _DEAD:
+            data = self._get(ref, key, start, end, limit, sums)
+            if data is _GONE:
                 continue
+            if isinstance(data, int):  # large, on another node
+                try:
+                    data = self._read_large(key, ref, start, min(end or data, data), sums)
+                except _DEAD:
+                    continue
             if data is not None:
-                return bytearray(data)
-        raise FileNotFoundError(f"{self.where(path)}: no live memory holder has it")
+                return data if isinstance(data, bytearray) else bytearray(data)
+        raise FileNotFoundError(f"{self.where(key)}: no live memory holder has it")
 
-    def _read_large(self, key: str, first: HolderRef, start: int, stop: int) -> Any:
+    def _get(
+        self, ref: HolderRef, key: str, start: int, end: int | None, limit: int | None,
+        sums: Checksums | None,
+    ) -> Any:  # fmt: skip
+        """One holder's answer to a read (bytes, the file's size, or None); `_GONE` if the
+        holder is dead."""
+        how, got = self.direct(ref, lambda ep: transport.get(ep, key, start, end, limit,
+                                                              sums=sums))  # fmt: skip
+        if how == "ok":
+            return got
+        if how == DEAD:
+            return _GONE
+        try:
+            return self.call(ref, "get", key, start, end, limit, timeout=CALL_TIMEOUT_S)
+        except _DEAD:
+            return _GONE
+
+    def _read_large(
+        self, key: str, first: HolderRef, start: int, stop: int, sums: Checksums | None
+    ) -> Any:
         """Parts from every holder that has the file, or all from `first` if it is the only
         one (or a holder fails mid-read)."""
         holding = [ref for ref, sizes in self.on_all("sizes", key) if key in sizes]
@@ -247,24 +382,35 @@ class MemoryStorage(Storage):
                 return self._read_spread(key, holding, start, stop)
             except (*_DEAD, _LostMidRead):
                 pass
-        return self.call(first, "get", key, start, stop, timeout=CALL_TIMEOUT_S)
+        data = self._get(first, key, start, stop, None, sums)
+        if data is _GONE:
+            raise ray.exceptions.RayActorError()
+        return data
 
     def _read_spread(
         self, key: str, holding: builtins.list[HolderRef], start: int, stop: int
     ) -> bytearray:
-        # One part per holder: Ray pulls each large object in pipelined chunks itself, and
-        # every extra object costs a call, a store entry and a pull (measured: 32 MiB parts
-        # made a 1 GiB read twice as slow as one pull).
+        """One part per holder, each streamed into its place in one buffer, at once."""
         out = bytearray(stop - start)
+        view = memoryview(out)
         n = min(len(holding), max(1, (stop - start) // READ_CHUNK))
         cuts = [start + (stop - start) * i // n for i in range(n + 1)]
-        futs = [self.handle(ref[0]).get.remote(key, a, b)
-                for ref, a, b in zip(holding, cuts, cuts[1:], strict=False)]  # fmt: skip
-        for a, b, fut in zip(cuts, cuts[1:], futs, strict=True):
-            part = ray.get(fut, timeout=CALL_TIMEOUT_S)
-            if part is None or len(part) != b - a:
+
+        def part(ref: HolderRef, a: int, b: int) -> None:
+            into = view[a - start : b - start]
+            how, got = self.direct(ref, lambda ep: transport.get(ep, key, a, b, into=into))
+            if how != "ok":  # through Ray (or gone): that holder's part the old way
+                got = self.call(ref, "get", key, a, b, timeout=CALL_TIMEOUT_S)
+                if got is not None and len(got) == b - a:
+                    into[:] = memoryview(got)
+                    got = b - a
+            if got != b - a:
                 raise _LostMidRead(key)
-            out[a - start : b - start] = memoryview(part)
+
+        futs = [_threads().submit(part, ref, a, b)
+                for ref, a, b in zip(holding, cuts, cuts[1:], strict=False)]  # fmt: skip
+        for fut in futs:
+            fut.result()
         return out
 
     def size(self, path: str) -> int | None:
@@ -304,26 +450,17 @@ class MemoryStorage(Storage):
         raise StorageError(f"{self.url}: the memory tier does not move steps (drop them)")
 
 
-class _MemWriter(Writer):
-    """Buffers the file (it goes to the holders whole), checksummed as it passes."""
+class _ViaRay:
+    """The file as Ray's fallback sends it: put into the object store once, when a first
+    holder needs it (a small file rides in the call itself)."""
 
-    def __init__(self, store: MemoryStorage, path: str) -> None:
-        self.store, self.path = store, path
-        self.buf = bytearray()
-        self.sums = Checksums(store.digest)
+    def __init__(self, view: memoryview) -> None:
+        self.view, self.lock = view, threading.Lock()
+        self.ref: Any = None
 
-    def write(self, data: Any) -> None:
-        mv = memoryview(data).cast("B")
-        self.sums.update(mv)
-        self.buf += mv
-
-    def close(self) -> FileRecord:
-        record = self.sums.record(self.path)
-        # A numpy view goes into the object store out of band: one copy, where bytes are
-        # pickled (joined first, then copied again).
-        data, self.buf = np.frombuffer(self.buf, dtype=np.uint8), bytearray()
-        self.store.put_copies(self.path, data, record)
-        return record
-
-    def abort(self) -> None:
-        self.buf = bytearray()
+    def get(self) -> Any:
+        with self.lock:
+            if self.ref is None:
+                small = self.view.nbytes <= INLINE_MAX
+                self.ref = self.view.tobytes() if small else ray.put(np.asarray(self.view))
+            return self.ref

@@ -224,6 +224,10 @@ class Writer(ABC):
     @abstractmethod
     def write(self, data: Any) -> None: ...
 
+    def size_hint(self, nbytes: int) -> None:
+        """The file will be `nbytes` long (a writer may allocate it, or start sending)."""
+        return None
+
     @abstractmethod
     def close(self) -> FileRecord:
         """Make the object durable and return its record (path as given to `writer`)."""

@@ -1,0 +1,120 @@
+"""The memory tier's data plane (`forge_ckpt/memory/transport.py`) between real sockets in
+this process, with a file table in place of a holder actor (tests/test_memory_tier.py runs
+it between the nodes of a Ray cluster): puts checked against the writer's record as the bytes
+arrive, a put streamed while its file is still being written, reads into a given buffer, and
+each failure a caller must tell apart: a refusal (the holder's own error) from a broken
+stream (a TransportError: the caller asks Ray and falls back)."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+
+from forge_ckpt.errors import CheckpointCorruptError
+from forge_ckpt.memory import transport
+from forge_ckpt.memory.holder import MemoryBudgetError
+from forge_ckpt.memory.transport import Endpoint, Feed, Server, TransportError
+from forge_ckpt.storage.base import Checksums, FileRecord, check_record
+
+
+class Table:
+    """What a holder offers its listener, minus Ray: a dict and a budget."""
+
+    def __init__(self, budget: int) -> None:
+        self.budget, self.files = budget, {}
+
+    def room_for(self, key: str, size: int) -> None:
+        if size > self.budget:
+            raise MemoryBudgetError(f"{key} ({size} bytes) does not fit")
+
+    def accept(self, key: str, buf: bytearray, sums: Checksums, record: dict) -> None:
+        check_record(key, sums.size, f"{sums.crc:08x}", FileRecord.from_dict(record))
+        self.files[key] = buf
+
+    def view(self, key, start, end, limit):
+        data = self.files.get(key)
+        if data is None:
+            return None, None
+        v = memoryview(data)[start:end]
+        return len(data), (None if limit is not None and len(v) > limit else v)
+
+
+def record(data: bytes, path: str = "f") -> dict:
+    c = Checksums()
+    c.update(data)
+    return c.record(path).to_dict()
+
+
+@pytest.fixture
+def holder():
+    table = Table(budget=1 << 26)
+    server = Server("127.0.0.1", table)
+    yield table, server.endpoint
+    server.stop()
+
+
+def test_put_get_and_ranges(holder):
+    table, ep = holder
+    data = os.urandom(3 * transport.CHUNK + 123)
+    transport.put(ep, "k", memoryview(data), record(data))
+    assert table.files["k"] == data
+    assert transport.get(ep, "k") == data
+    sums = Checksums()
+    assert transport.get(ep, "k", 5, 1005, sums=sums) == data[5:1005] and sums.size == 1000
+    out = bytearray(100)
+    assert transport.get(ep, "k", 10, 110, into=memoryview(out)) == 100 and out == data[10:110]
+    assert transport.get(ep, "k", limit=10) == len(data)  # too long: its size only
+    assert transport.get(ep, "missing") is None
+
+
+def test_refusals_are_the_holders_errors_and_keep_nothing(holder):
+    table, ep = holder
+    data = os.urandom(1000)
+    with pytest.raises(CheckpointCorruptError, match="checksum mismatch"):
+        transport.put(ep, "bad", memoryview(data), record(data[:-1] + b"x"))
+    with pytest.raises(MemoryBudgetError, match="does not fit"):
+        transport.put(ep, "big", memoryview(bytearray(table.budget + 1)), record(b""))
+    assert table.files == {}
+    transport.put(ep, "ok", memoryview(data), record(data))  # the pool's next connection
+    assert table.files["ok"] == data
+
+
+def test_a_put_streams_while_the_file_is_written(holder):
+    """The holder has the first part before the writer wrote the rest; the record comes last."""
+    table, ep = holder
+    data = os.urandom(2 * transport.CHUNK)
+    buf = bytearray(len(data))
+    feed = Feed(buf, None)
+    done: list = []
+    t = threading.Thread(target=lambda: done.append(transport.put_feed(ep, "s", feed)))
+    t.start()
+    half = len(data) // 2
+    buf[:half] = data[:half]
+    feed.advance(half)
+    buf[half:] = data[half:]
+    feed.advance(len(data))
+    feed.finish(record(data))
+    t.join()
+    assert done == [None] and table.files["s"] == data
+
+    feed = Feed(bytearray(10), None)  # a writer that gives up: the holder keeps nothing
+    cut: list = []
+    t = threading.Thread(target=lambda: cut.append(pytest.raises(TransportError,
+                         transport.put_feed, ep, "gone", feed)))  # fmt: skip
+    t.start()
+    feed.cancel()
+    t.join()
+    assert cut and "gone" not in table.files
+
+
+def test_broken_streams_are_transport_errors(holder):
+    table, ep = holder
+    with pytest.raises(TransportError, match="wrong token"):
+        transport.get(Endpoint(ep.host, ep.port, "0" * 32), "k")
+    free = Server("127.0.0.1", table)
+    gone = free.endpoint
+    free.stop()
+    with pytest.raises(TransportError, match="connecting"):
+        transport.get(gone, "k")
