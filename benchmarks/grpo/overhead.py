@@ -1,7 +1,7 @@
 """What saving every step to the memory tier costs the GRPO app: `python -m benchmarks.grpo.overhead`.
 
 The real app (`python -m apps.grpo.main --config configs/grpo.yaml`) runs on a real 3-node
-cluster on this machine (benchmarks/tiers_env.py), its actors spread over the nodes, once per
+cluster on this machine (benchmarks/tiers/env.py), its actors spread over the nodes, once per
 variant per trial, variants in a shuffled order:
 - `off`: no memory tier (`checkpoint.memory=false`), durable only at the last step: the
   baseline;
@@ -28,7 +28,7 @@ import sys
 from typing import Any
 
 from .. import disk, sections
-from ..tiers_env import environment
+from ..tiers.env import environment
 
 VARIANTS = {
     "off": ["checkpoint.memory=false"],

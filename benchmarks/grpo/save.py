@@ -1,14 +1,14 @@
 """What one checkpoint of the GRPO app's trainer costs: `python -m benchmarks.grpo.save`.
 
 The app's own `Trainer` (configs/grpo.yaml: TorchTitan AdamW and LR containers, the small
-policy) runs as one rank on a worker node of a real 3-node cluster (benchmarks/tiers_env.py).
+policy) runs as one rank on a worker node of a real 3-node cluster (benchmarks/tiers/env.py).
 Between two saves it takes an optimizer step on random gradients, so every save writes new
 weights and moments. Three targets, in the same run, each `--saves` times after two warm-ups:
 - `local disk`: a coordinator on a local folder (no memory tier), sync: the baseline;
 - `memory, sync`: every save to the memory tier (2 copies on the other nodes);
 - `memory, deferred`: the same with the stall-free cut; `blocked` is what `save()` held the
   caller, `save` is until the memory commit (`wait()`).
-This is the trainer's share of what benchmarks/grpo_overhead.py measures in the whole app
+This is the trainer's share of what benchmarks/grpo/overhead.py measures in the whole app
 (there, the four actors and the step itself run too). Writes docs/benchmarks_grpo_save.json
 and the "grpo_save" section of docs/benchmarks.md.
 """
@@ -30,7 +30,7 @@ from apps.grpo.trainer import Trainer
 from forge_ckpt import CheckpointConfig, CheckpointCoordinator, spawn_trainer_ranks
 
 from .. import disk, sections
-from ..tiers_env import environment, on
+from ..tiers.env import environment, on
 
 VARIANTS = {"local disk": ("local", "sync"), "memory, sync": ("memory", "sync"),
             "memory, deferred": ("memory", "deferred")}  # fmt: skip

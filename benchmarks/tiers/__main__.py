@@ -1,6 +1,6 @@
 """`python -m benchmarks.tiers`: the replicated memory tier (`mem://`, docs/tiers.md) against
 the local disk and S3, on a real 3-node Ray cluster and a real SeaweedFS S3 server, both
-started on loopback for the run (benchmarks/tiers_env.py).
+started on loopback for the run (benchmarks/tiers/env.py).
 
     python -m benchmarks.tiers                      # 1024 MiB, 3 trials: writes
         docs/benchmarks_tiers.json and the tiers section of docs/benchmarks.md (~10 min)
@@ -10,7 +10,7 @@ started on loopback for the run (benchmarks/tiers_env.py).
 
 The parts (`PARTS`) run in order against the same cluster; each returns its trials and their
 summary. A part whose `run` is None is planned and shows as "not measured yet" in the report:
-adding one is writing its `run(env, mib, trials)` and its rows in tiers_report.py.
+adding one is writing its `run(env, mib, trials)` and its rows in report.py.
 """
 
 from __future__ import annotations
@@ -29,8 +29,9 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from . import disk, tiers_recovery, tiers_report, tiers_saveload
-from .tiers_env import Env, environment
+from .. import disk
+from . import recovery, report, saveload
+from .env import Env, environment
 
 log = logging.getLogger("benchmarks")
 RAM_FACTOR = 9  # peak memory of a run, in units of the state (writer, 2 holders, stores, S3)
@@ -46,11 +47,11 @@ class Part:
 
 
 PARTS: list[Part] = [
-    Part("saveload", "save and load: memory tier vs local disk vs S3", tiers_saveload.run),
-    Part("recovery", "recovery after a node loss: from memory vs from S3", tiers_recovery.run),
+    Part("saveload", "save and load: memory tier vs local disk vs S3", saveload.run),
+    Part("recovery", "recovery after a node loss: from memory vs from S3", recovery.run),
 ]
 # The loop stall of the stall-free cut and the GRPO step-time overhead have their own modules
-# (benchmarks/stall.py, benchmarks/grpo_overhead.py) and sections of docs/benchmarks.md.
+# (benchmarks/stall.py, benchmarks/grpo/overhead.py) and sections of docs/benchmarks.md.
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -81,7 +82,7 @@ def _command(argv: list[str] | None) -> str:
 
 
 def _new_results(args: argparse.Namespace, command: str, cache: str) -> dict[str, Any]:
-    from .run import machine_info
+    from ..run import machine_info
 
     return {
         "command": command,
@@ -127,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("forge_ckpt").setLevel(logging.WARNING)
     if args.report_only:
         with open(args.report_only) as f:
-            tiers_report.write(json.load(f), args.out)
+            report.write(json.load(f), args.out)
         return 0
     _check_memory(args.mib)
     os.makedirs(args.work_dir, exist_ok=True)
@@ -142,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(root, ignore_errors=True)
     results["wall_s"] = time.perf_counter() - start
     results["loadavg_end"] = os.getloadavg()[0]
-    tiers_report.write(results, args.out)
+    report.write(results, args.out)
     log.info("done in %.0fs; report in %s", results["wall_s"], args.out)
     return 1 if results["errors"] else 0
 

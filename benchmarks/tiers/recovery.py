@@ -30,10 +30,10 @@ import ray
 from forge_ckpt import CheckpointConfig, CheckpointCoordinator
 from forge_ckpt.storage import open_storage
 
-from . import disk
-from .tiers_actors import SmallState, TensorState
-from .tiers_env import Env, spawn
-from .tiers_stats import VerifyError, check, paired, spread
+from .. import disk
+from .actors import SmallState, TensorState
+from .env import Env, spawn
+from .stats import VerifyError, check, paired, spread
 
 log = logging.getLogger("benchmarks")
 VARIANTS = ("memory", "durable")

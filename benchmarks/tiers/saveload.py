@@ -8,7 +8,7 @@ the same actor) are timed against three targets, with the raw disk measured in t
   page cache;
 - s3: the SeaweedFS server; its data folder is evicted from the page cache before the load;
 - raw: `disk.python_write` (write + fsync) and `disk.cold_read` of as many bytes as the step;
-- sock: the raw transport under the memory tier's data plane (`tiers_raw.py`): plain TCP
+- sock: the raw transport under the memory tier's data plane (`raw.py`): plain TCP
   send/recv of as many bytes between actors on node_a, the head and node_b;
 - ray: Ray's object store path (the memory tier's fallback) without forge_ckpt: `ray.put` of as many bytes on node_a, then
   `ray.get` + CRC32C on the head and on node_b at once (two copies, as `memory_copies=2`), then
@@ -33,10 +33,11 @@ import ray
 
 from forge_ckpt import CheckpointConfig, CheckpointCoordinator, commit
 
-from . import disk, tiers_raw
-from .tiers_actors import Probe, TensorState
-from .tiers_env import Env, spawn
-from .tiers_stats import VerifyError, check, paired, spread
+from .. import disk
+from . import raw
+from .actors import Probe, TensorState
+from .env import Env, spawn
+from .stats import VerifyError, check, paired, spread
 
 log = logging.getLogger("benchmarks")
 TARGETS = ("memory", "disk", "s3")
@@ -151,7 +152,7 @@ async def _trial(c: Ctx, trial: int) -> dict[str, Any]:
         if name in TARGETS:
             row[name] = await one_target(c, name)
         elif name == "sock":
-            row[name] = await tiers_raw.measure(c.peers, c.nbytes)
+            row[name] = await raw.measure(c.peers, c.nbytes)
         else:
             row[name] = await (raw_disk(c) if name == "raw" else raw_ray(c))
     log.info("saveload trial %d: %s", trial, _brief(row))
@@ -223,7 +224,7 @@ async def _setup(env: Env, state_bytes: int) -> Ctx:
     actor = spawn(TensorState, "node_a")
     await actor.ping.remote()
     probes = {n: spawn(Probe, n) for n in ("head", "node_a", "node_b")}
-    peers = {n: spawn(tiers_raw.RawPeer, n) for n in ("head", "node_a", "node_b")}
+    peers = {n: spawn(raw.RawPeer, n) for n in ("head", "node_a", "node_b")}
     coords: dict[str, CheckpointCoordinator] = {}
     for name, cfg in _configs(env, state_bytes).items():
         coords[name] = await asyncio.to_thread(CheckpointCoordinator, cfg)
@@ -250,7 +251,7 @@ async def run(env: Env, mib: int, trials: int) -> dict[str, Any]:
         warm = {t: await one_target(c, t) for t in TARGETS}
         c.nbytes = warm["disk"]["bytes"]
         warm["ray"] = await raw_ray(c)
-        warm["sock"] = await tiers_raw.measure(c.peers, c.nbytes)
+        warm["sock"] = await raw.measure(c.peers, c.nbytes)
         rows = [await _trial(c, t) for t in range(trials)]
     finally:
         await _teardown(c)

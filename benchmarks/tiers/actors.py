@@ -24,7 +24,7 @@ import torch
 
 from forge_ckpt import Checkpointable
 
-from .timers import take_phases, timed
+from ..timers import take_phases, timed
 
 TENSORS = 16  # the state is this many float32 tensors (a model's layers, say)
 
