@@ -96,6 +96,8 @@ class CheckpointCoordinator:
         self._commit_lock = threading.Lock()  # one commit at a time (a save's, a persist's)
         self._events = Events(config.on_event)  # one record per save and load (events.py)
         self.tier = open_tier(config, self._lease.release, self.store)  # None: no memory tier
+        if self.tier is not None:
+            self.tier.io = self._io
 
     async def _io(self, fn: Callable[..., Any], *args: Any) -> Any:
         """A blocking storage call, off the event loop, under this coordinator's lease."""

@@ -254,7 +254,7 @@ class Holder:
                     data = self.files.get(key)
                 if data is None:
                     raise FileNotFoundError(f"memory holder on node {self.node_id}: {key} is gone")
-                out.append(store.write(path, data).to_dict())
+                out.append(store.write(path, data, exclusive=True).to_dict())  # a step's file
         finally:
             with self._lock:
                 self.persisting -= 1

@@ -44,6 +44,9 @@ def open_tier(
 class MemoryTier:
     def __init__(self, config: Any, durable: Storage | None = None) -> None:
         self.config = config
+        # The durable folder's calls of a persist: the coordinator's, under its lease (close()
+        # releases it only after they end; a writer that lost it removes nothing).
+        self.io: Callable[..., Awaitable[Any]] = asyncio.to_thread
         self.run_id = run_id_of(config.folder)
         self.fingerprint = str(config.fingerprint or "")
         self.namespace = str(config.memory_namespace)
@@ -272,9 +275,9 @@ class MemoryTier:
         happens: it may have committed (a cancelled task's thread goes on), and a step
         without COMMIT is removed by the next start (or the next persist of that step)."""
         step, name = manifest.step, layout.step_name(manifest.step)
-        if step in await asyncio.to_thread(layout.committed_steps, durable):
+        if step in await self.io(layout.committed_steps, durable):
             return False
-        await asyncio.to_thread(commit.prepare_step, durable, step)
+        await self.io(commit.prepare_step, durable, step)
         try:
             written = await self._holders_write(manifest, durable_spec.child(name))
             want = {f.path: f for f in manifest.files}
@@ -286,7 +289,7 @@ class MemoryTier:
             if want:
                 raise CheckpointError(f"persisting step {step}: not written: {sorted(want)}")
         except BaseException:
-            await asyncio.to_thread(commit.remove_step, durable, step)
+            await self.io(commit.remove_step, durable, step)
             raise
         await asyncio.to_thread(commit_fn, manifest)  # from here on, nothing is removed
         log.info("persisted memory step %d to %s", step, durable.where(name))

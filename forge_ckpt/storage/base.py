@@ -280,9 +280,10 @@ class Storage(ABC):
         if another write made `path` first (a step's data files: a stale writer's late write
         must never replace or truncate its successor's file)."""
 
-    def write(self, path: str, data: Any) -> FileRecord:
-        """Write a whole object durably (not atomically visible on POSIX: use `publish`)."""
-        with self.writer(path) as w:
+    def write(self, path: str, data: Any, exclusive: bool = False) -> FileRecord:
+        """Write a whole object durably (not atomically visible on POSIX: use `publish`);
+        `exclusive`: see `writer`."""
+        with self.writer(path, exclusive) as w:
             w.write(data)
             return w.close()
 
