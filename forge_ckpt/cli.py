@@ -399,6 +399,7 @@ def copy(
                   f"{_mb(done.nbytes)} in {done.seconds:.1f}s")  # fmt: skip
 
 
+@app.command()
 def diff(
     step_a: Annotated[str, typer.Argument(metavar="STEP_A", help="FOLDER/step-N")],
     step_b: Annotated[str, typer.Argument(metavar="STEP_B", help="FOLDER/step-M (any folder)")],
