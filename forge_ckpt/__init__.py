@@ -29,6 +29,7 @@ from .reshard import ReshardRule  # noqa: E402
 from .results import LoadResult, SaveResult  # noqa: E402
 from .storage import StorageError  # noqa: E402
 from .transfer import CopyResult, copy_step  # noqa: E402
+from .weights import WeightVersions  # noqa: E402
 
 __all__ = [
     "CheckpointConfig",
@@ -50,6 +51,7 @@ __all__ = [
     "StorageError",
     "TrainerCheckpointer",
     "TrainerMixin",
+    "WeightVersions",
     "committed_steps",
     "copy_step",
     "describe_failure",

@@ -48,6 +48,11 @@ def is_ref(entry: Any) -> bool:
 class WeightVersions:
     """The weight versions one generator holds; see the module docstring."""
 
+    # The entry helpers, for code that rewrites a saved state (a reshard rule).
+    is_ref = staticmethod(is_ref)
+    owner_ref = staticmethod(owner_ref)
+    trainer_ref = staticmethod(trainer_ref)
+
     def __init__(self) -> None:
         self.held: dict[int, Weights] = {}
         self.refs: dict[int, dict[str, Any]] = {}  # restored references, not yet filled

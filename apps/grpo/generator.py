@@ -26,8 +26,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from forge_ckpt import Checkpointable
-from forge_ckpt.weights import WeightVersions
+from forge_ckpt import Checkpointable, WeightVersions
 
 from .actors import shapes
 from .model import build_model
@@ -255,6 +254,7 @@ class Generator(Checkpointable):
 
 def _as_refs(state: dict[str, Any]) -> dict[str, Any]:
     """Replica 0's weight entries with its stored tensors turned into owner references."""
-    from forge_ckpt.weights import is_ref, owner_ref
-
-    return {v: e if is_ref(e) else owner_ref(int(v), OWNER) for v, e in state["weights"].items()}
+    w = WeightVersions
+    return {
+        v: e if w.is_ref(e) else w.owner_ref(int(v), OWNER) for v, e in state["weights"].items()
+    }
