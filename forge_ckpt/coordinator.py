@@ -71,6 +71,7 @@ class CheckpointCoordinator:
             clock=runtime.wall,
             renew_in_background=runtime.lease_thread,
             identity=runtime.identity,
+            lock=runtime.lock,
         )
         try:
             self.store.makedirs("")
@@ -93,7 +94,7 @@ class CheckpointCoordinator:
         # store url -> a step no newer than which anything is committed there (we are the
         # only writer): a save of a newer step skips listing the steps before its cut.
         self._newest_seen: dict[str, int] = {}
-        self._commit_lock = threading.Lock()  # one commit at a time (a save's, a persist's)
+        self._commit_lock = runtime.lock()  # one commit at a time (a save's, a persist's)
         self._events = Events(config.on_event)  # one record per save and load (events.py)
         self.tier = open_tier(config, self._lease.release, self.store)  # None: no memory tier
         if self.tier is not None:

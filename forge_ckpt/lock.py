@@ -110,11 +110,13 @@ class Lease:
         clock: Callable[[], float] = time.time,
         renew_in_background: bool = True,
         identity: dict[str, Any] | None = None,
+        lock: Callable[[], Any] = threading.Lock,
     ) -> None:
         """`clock` decides every expiry (a simulation passes its own); without
         `renew_in_background` no thread is started and the caller renews; `identity`
         stands for this machine's host, pid, boot and pid namespace in the lease (the
-        simulation's processes each have their own)."""
+        simulation's processes each have their own); `lock` makes its mutex (held across
+        storage calls)."""
         self.store = store
         self.ttl_s = ttl_s
         self.clock = clock
@@ -131,7 +133,7 @@ class Lease:
         self._unsure: list[bytes] = []
         self._written: set[int] = set()  # steps the lease object may record now
         self._lost: str | None = None
-        self._mutex = threading.Lock()
+        self._mutex = lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 

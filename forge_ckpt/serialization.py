@@ -268,12 +268,13 @@ class Snapshot:
     def write(self, path: str, relpath: str) -> FileRecord:
         """Write to a local path or URL; the record carries `relpath`."""
         folder, name = _split(path)
-        rec = self.write_to(open_storage(folder), name)
+        rec = self.write_to(open_storage(folder), name, exclusive=False)
         return dataclasses.replace(rec, path=relpath)
 
-    def write_to(self, store: Storage, relpath: str) -> FileRecord:
-        """Write the file durably, checksummed as it goes; on error the partial file is removed."""
-        with store.writer(relpath, exclusive=True) as w:
+    def write_to(self, store: Storage, relpath: str, exclusive: bool = True) -> FileRecord:
+        """Write the file durably, checksummed as it goes; on error the partial file is removed.
+        `exclusive` (a step's file): never over a file another writer made (Storage.writer)."""
+        with store.writer(relpath, exclusive=exclusive) as w:
             w.size_hint(self.nbytes)
             out = _Out(w)
             out.put(MAGIC + struct.pack("<Q", self._header.nbytes))

@@ -135,6 +135,35 @@ class SimThread:
         parent.switch()
 
 
+class SimLock:
+    """A lock for code that runs as SimThreads (Runtime.lock): a contended acquire waits in
+    virtual time, so that the holder, parked at a gate, runs on; a real lock would block the
+    one OS thread every SimThread shares, and the schedule would hang."""
+
+    def __init__(self) -> None:
+        self._held = False
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        while self._held:
+            me = SimThread.current()
+            if not blocking or me is None:  # the loop itself cannot wait: it would hang
+                if blocking:
+                    raise RuntimeError("a SimLock is contended outside a SimThread")
+                return False
+            me.pause(asyncio.get_running_loop(), 0.0001)
+        self._held = True
+        return True
+
+    def release(self) -> None:
+        self._held = False
+
+    def __enter__(self) -> bool:
+        return self.acquire()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.release()
+
+
 PROC: contextvars.ContextVar[Any] = contextvars.ContextVar("forge_ckpt_sim_proc")
 
 

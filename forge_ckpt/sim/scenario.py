@@ -24,7 +24,7 @@ from ..runtime import Runtime
 from ..storage import Storage, open_storage
 from .actors import Component, SimActor
 from .invariants import Oracle, Violation
-from .loop import Crash, Deadlock, run_io
+from .loop import Crash, Deadlock, SimLock, run_io
 from .world import PROC, Proc, World
 
 TTL = 30.0
@@ -52,7 +52,7 @@ class Job:
 
     def runtime(self) -> Runtime:
         return Runtime(to_thread=run_io, wall=self.w.clock.wall, lease_thread=False,
-                       identity=self.proc.identity())  # fmt: skip
+                       identity=self.proc.identity(), lock=SimLock)  # fmt: skip
 
     async def open(self) -> CheckpointCoordinator:
         failed = 0  # opens that took the lease and then failed: faults are rare, so a run
