@@ -45,10 +45,10 @@ def test_a_seed_replays_exactly():
         assert len(a.trace) > 50
 
 
-def first_violation_with(revert: str) -> str:
-    """The first violation within the default budget with one fix taken back out (in a
-    process of its own, hash seed pinned: what a replay gives)."""
-    cmd = [sys.executable, "-m", "forge_ckpt.sim", "--seeds", str(SEEDS), "--revert", revert,
+def first_violation_with(revert: str, seeds: int = SEEDS) -> str:
+    """The first violation within `seeds` schedules (the default budget) with one fix taken
+    back out (in a process of its own, hash seed pinned: what a replay gives)."""
+    cmd = [sys.executable, "-m", "forge_ckpt.sim", "--seeds", str(seeds), "--revert", revert,
            "--stop-first", "--hang-s", "120"]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=1100)
     print(done.stdout[-2000:])
@@ -81,6 +81,8 @@ def test_it_finds_a_lost_reply_taken_for_another_writer():
 def test_it_finds_a_late_commit_when_readers_ignore_the_lease_record():
     """Fix 8 taken back out: readers count every COMMIT, not only those the lease records. A
     stalled job's COMMIT that lands after its successor took over then counts: the successor
-    loses a step (I1), loads the stale one (I2, I3), or is told its own step was taken (I7)."""
-    line = first_violation_with("fix8")
+    loses a step (I1), loads the stale one (I2, I3), or is told its own step was taken (I7).
+    Such a schedule is rarer than the others: the first is seed 1430, past the default budget
+    of 1000 (twice the budget here)."""
+    line = first_violation_with("fix8", 2 * SEEDS)
     assert any(f": {i} " in line for i in ("I1", "I2", "I3", "I7")), line
