@@ -194,6 +194,17 @@ def busiest_worker(nodes: Nodes) -> str | None:
     return counts.most_common(1)[0][0] if counts else None
 
 
+def worker_of(nodes: Nodes, class_name: str) -> str | None:
+    """A worker node holding a live actor of class `class_name` of another driver."""
+    names = {n.node_id: name for name, n in nodes.workers.items()}
+    me = ray.get_runtime_context().get_job_id()
+    table = ray._private.state.actors().values()
+    found = sorted(names[a["Address"]["NodeID"]] for a in table if a["State"] == "ALIVE"
+                   and a["JobID"] != me and a["ActorClassName"].endswith(class_name)
+                   and a["Address"]["NodeID"] in names)  # fmt: skip
+    return found[0] if found else None
+
+
 def on(node: str) -> dict[str, Any]:
     """Actor options that pin it to `node` (a sliver of that node's own resource)."""
     return {"num_cpus": 0, "resources": {node: 0.01}}

@@ -75,3 +75,26 @@ def s3_folder(s3_server, request: pytest.FixtureRequest):
         server=s3_server,
         bucket=bucket,
     )
+
+
+@pytest.fixture(scope="session")
+def grpo_reference(tmp_path_factory: pytest.TempPathFactory):
+    """`get(config, overrides)`: the run folder of an uninterrupted GRPO run of that config (a
+    local Ray, local checkpoints), run once per session and shared by every module that
+    compares a killed or recovered run with it (tests/test_grpo_e2e.py, test_grpo_async.py,
+    test_cluster.py). The app's results are a function of config and seed only, so a run on
+    the 3-node cluster with S3 checkpoints must equal it bitwise too."""
+    from apps.grpo import chaos
+
+    cache: dict[tuple[str, tuple[str, ...]], str] = {}
+
+    def get(config: str, overrides: tuple[str, ...] = ()) -> str:
+        key = (os.path.abspath(config), tuple(overrides))
+        if key not in cache:
+            run_dir = str(tmp_path_factory.mktemp("grpo-ref"))
+            job = chaos.Job(config, run_dir, list(overrides), {}, run_dir + ".log")
+            assert job.wait(timeout=600) == 0, open(run_dir + ".log").read()[-3000:]
+            cache[key] = run_dir
+        return cache[key]
+
+    return get

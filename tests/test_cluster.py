@@ -12,10 +12,12 @@ One cluster serves the module; a test that removes a node adds it back (`nodes.r
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -35,9 +37,11 @@ from forge_ckpt import (
 
 sys.path.insert(0, os.path.dirname(__file__))
 import cluster_util as cu  # noqa: E402
+from test_grpo_e2e import check_every_prompt_once_per_epoch  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CONFIG = os.path.join(HERE, "..", "configs", "grpo_test.yaml")
+ASYNC_CONFIG = os.path.join(HERE, "..", "configs", "grpo_async_test.yaml")
 
 
 nodes = pytest.fixture(scope="module", name="nodes")(cu.driving_cluster)
@@ -166,17 +170,11 @@ def same_run(run_dir: str, ref: str) -> None:
     assert read(os.path.join(run_dir, chaos.WEIGHTS)) == read(os.path.join(ref, chaos.WEIGHTS))
 
 
-@pytest.fixture(scope="module")
-def reference(nodes, s3_server, tmp_path_factory):
-    """An uninterrupted GRPO run on the cluster, its actors spread over the 3 nodes."""
-    run_dir = str(tmp_path_factory.mktemp("grpo-ref"))
-    bucket = f"grpo-ref-{os.getpid()}"
-    s3_server.create_bucket(bucket)
-    spread = [f"ray.address={nodes.address}", "ray.placement=spread"]
-    job = grpo(run_dir, [*spread, f"checkpoint.folder=s3://{bucket}/ckpt"], s3_server.env(),
-               run_dir + ".log")  # fmt: skip
-    assert job.wait(timeout=300) == 0, read(job.log).decode()[-3000:]
-    return run_dir
+@pytest.fixture
+def reference(grpo_reference):
+    """An uninterrupted GRPO run (local Ray, local folder: the results are a function of config
+    and seed, never of placement or storage, so the cluster's runs must equal it bitwise)."""
+    return grpo_reference(CONFIG)
 
 
 def test_grpo_recovers_from_a_lost_node_bitwise(nodes, reference, s3_folder, tmp_path):
@@ -208,6 +206,42 @@ def test_grpo_recovers_from_a_lost_node_bitwise(nodes, reference, s3_folder, tmp
     logged_before_loss = event["failed_step"] - 1  # the step in progress had no line yet
     assert logged_before_loss - event["resumed_step"] <= 1, event  # at most one step redone
     assert "recoveries: 1 (lost " in read(job.log).decode()
+
+
+def test_async_grpo_recovers_from_a_node_lost_mid_generation_bitwise(
+    nodes, grpo_reference, s3_folder, tmp_path
+):
+    """`mode: async` on 3 nodes with the memory tier (every step to memory): the worker node of
+    a generator is SIGKILLed while its requests are mid-sequence; the job recovers by itself
+    from the newest memory step, continues the in-flight requests that step captured, and ends
+    bitwise equal to an uninterrupted run (3 generator replicas give the same results as the
+    reference's 2: docs/async_rl.md), every prompt once per epoch."""
+    reference = grpo_reference(ASYNC_CONFIG)
+    after = random.Random().randint(3, 9)
+    run_dir = str(tmp_path / "run")
+    overrides = [f"ray.address={nodes.address}", "ray.placement=spread", "policy.replicas=3",
+                 f"checkpoint.folder={s3_folder.url}"]  # fmt: skip
+    job = chaos.Job(ASYNC_CONFIG, run_dir, overrides, s3_folder.server.env(), str(tmp_path / "log"))
+    assert chaos.wait_until(job, lambda: chaos.metrics_lines(run_dir) >= after, 300, 0.01)
+    victim = cu.worker_of(nodes, "Generator")  # SPREAD puts some of the 3 on a worker
+    assert victim is not None, "no generator was placed on a worker node"
+    print(f"removing {victim} (holds a generator) after step {after}'s line")
+    nodes.remove(victim)  # its raylet and every process on it are killed, mid-generation
+    try:
+        assert job.wait(timeout=300) == 0, read(job.log).decode()[-3000:]
+    finally:
+        nodes.restore()
+    same_run(run_dir, reference)
+    check_every_prompt_once_per_epoch(os.path.join(run_dir, chaos.METRICS))
+    (event,) = chaos_events(run_dir)
+    assert event["tier"] == "memory" and all(
+        "its node died" in r for r in event["reasons"].values()
+    )
+    assert any("generators" in name for name in event["lost"]), event
+    resumes = re.findall(r"GRPO async: resumed in-flight requests (.*)", read(job.log).decode())
+    in_flight = ast.literal_eval(resumes[-1])  # per replica: (seq, sample, tokens so far)
+    print(f"recovered from step {event['resumed_step']}; in flight there: {in_flight}")
+    assert any(tokens > 0 for replica in in_flight for *_, tokens in replica), in_flight
 
 
 def test_grpo_recovers_from_a_killed_actor_bitwise(reference, tmp_path):

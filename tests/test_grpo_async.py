@@ -67,11 +67,9 @@ def kill_at_random_step(job: chaos.Job, run_dir: str, rng: random.Random) -> cha
     return chaos.Kill(0, "random", chaos.metrics_lines(run_dir), committed_steps(folder), during)
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    run_dir = str(tmp_path_factory.mktemp("async-ref"))
-    run_to_end(run_dir, [], {}, run_dir + ".log", CONFIG)
-    return run_dir
+@pytest.fixture
+def reference(grpo_reference):
+    return grpo_reference(CONFIG)
 
 
 @pytest.mark.timeout(900)  # four job starts (reference, two kills, the end): ~2 min each when busy

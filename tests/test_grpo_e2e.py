@@ -46,18 +46,10 @@ def read(path: str) -> bytes:
         return f.read()
 
 
-@pytest.fixture(scope="module")
-def references(tmp_path_factory):
-    cache: dict[str, str] = {}
-
-    def get(variant: str) -> str:
-        if variant not in cache:
-            run_dir = str(tmp_path_factory.mktemp(f"ref-{variant}"))
-            run_to_end(run_dir, VARIANTS[variant][0], {}, run_dir + ".log")
-            cache[variant] = run_dir
-        return cache[variant]
-
-    return get
+@pytest.fixture
+def references(grpo_reference):
+    """`get(variant)`: the uninterrupted run of that variant (shared by the session)."""
+    return lambda variant: grpo_reference(CONFIG, tuple(VARIANTS[variant][0]))
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
