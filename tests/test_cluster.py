@@ -62,8 +62,9 @@ def test_driver_sigkill_resumes_bitwise(nodes, s3_folder, tmp_path):
     while "SAVING" not in open(tmp_path / "driver.log").read():
         assert proc.poll() is None and time.monotonic() < deadline, open(log.name).read()
         time.sleep(0.05)
-    time.sleep(1.0)  # the step-4 save is in flight: node_b's actor writes slowly
-    assert pending_steps(s3_folder.url, s3_folder.options) == [4]
+    while pending_steps(s3_folder.url, s3_folder.options) != [4]:  # node_b writes slowly
+        assert proc.poll() is None and time.monotonic() < deadline, open(log.name).read()
+        time.sleep(0.05)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert committed_steps(s3_folder.url, s3_folder.options) == [2]

@@ -7,7 +7,6 @@ full disk, close() racing a commit, private APIs, and errors that dropped the re
 
 from __future__ import annotations
 
-import asyncio
 import os
 import re
 import sys
@@ -52,7 +51,7 @@ async def test_failed_async_save_does_not_wedge_the_trainer(rank_cls, tmp_path):
         with pytest.raises(CheckpointSaveError, match="actor 'sampler' replica 0"):
             await coord.save(2)
             await coord.wait()
-    await asyncio.sleep(6)  # the hanging call ends
+    await sampler.get.remote()  # queued behind the hanging call: answers once it has ended
     coord.config.save_timeout_s = 120  # a busy machine must not turn the death into a timeout
     ray.kill(sampler)  # and an actor that dies while the trainer writes in the background
     with pytest.raises(CheckpointSaveError, match="actor 'sampler' replica 0: the actor died"):

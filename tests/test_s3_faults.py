@@ -160,14 +160,25 @@ def start_holder(s3_folder) -> subprocess.Popen:
     return proc
 
 
+def open_once_expired(config: CheckpointConfig, timeout: float = 120.0) -> CheckpointCoordinator:
+    """A coordinator on the folder once the stalled holder's lease has expired (a condition:
+    every try before that is refused as locked)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return CheckpointCoordinator(config)
+        except CheckpointLockedError:
+            assert time.monotonic() < deadline, f"the lease did not expire in {timeout}s"
+            time.sleep(0.2)
+
+
 def test_second_job_is_refused_then_takes_over_and_fences_the_stale_holder(s3_folder):
     first = start_holder(s3_folder)
     try:
         with pytest.raises(CheckpointLockedError, match=f"pid {first.pid}"):
             CheckpointCoordinator(cfg(s3_folder.url, s3_folder.options))
         first.send_signal(signal.SIGSTOP)  # stalls: no renewals, its lease expires
-        time.sleep(4)
-        second = CheckpointCoordinator(cfg(s3_folder.url, s3_folder.options))
+        second = open_once_expired(cfg(s3_folder.url, s3_folder.options))
         assert asyncio.run(second.save(2)).committed
         first.send_signal(signal.SIGCONT)  # wakes up believing it still holds the folder
         first.stdin.write("go\n")
