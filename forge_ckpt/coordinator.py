@@ -1,51 +1,43 @@
 """`CheckpointCoordinator`: saves the trainer and every registered actor as one atomic step.
 
 Reads top to bottom: opening the folder (lease, crash leftovers), registration, save
-(snapshot phase, persist phase, commit, retention; abort on failure), load (choose a step,
-check it matches the job, prepare every unit, then apply), and lifetime.
-
-Timelines: "newest" is the step committed last. Step numbers only grow along a timeline, so
-the newest is also the highest number, with one exception that the coordinator resolves: after
-`load(step=K)` with newer steps in the folder (a rollback), the first save starts a new branch
-whose manifest names the steps it abandons; they stay until it commits and are removed right
-after (branch.py), so a failed save loses nothing and the abandoned branch is never resumed.
-
-The protocol's rules and the invariants the simulation (forge_ckpt.sim) checks are in
-docs/protocol.md.
+(snapshot phase, persist phase, commit, retention; abort on failure), load, and lifetime.
+Its collaborators each hold one part: `Timeline` (timeline.py) which step numbers a save may
+take and which it abandons after a rollback, `Loader` (loader.py) the all-or-nothing load,
+`LeasedCalls` (leased_calls.py) storage calls under the lease and a close that never cuts one,
+unit_calls.py the calls on many actors at once. The protocol's rules and the invariants the
+simulation (forge_ckpt.sim) checks are in docs/protocol.md.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any
 
 import torch
 
-from . import __version__, branch, commit, components, layout
+from . import __version__, branch, commit, layout, unit_calls
 from .components import Group, Unit, actor_group, trainer_group
 from .config import CheckpointConfig
 from .errors import (
-    CheckpointCorruptError,
     CheckpointError,
-    CheckpointMismatchError,
     CheckpointSaveError,
 )
 from .events import Events
-from .lock import CURRENT as CURRENT_LEASE
+from .leased_calls import LeasedCalls
+from .loader import Loader
 from .lock import Lease
 from .memory.choose import TIER
-from .memory.choose import candidates as load_candidates
 from .memory.tier import open_tier
-from .remote_errors import describe, gather_units, save_error
+from .remote_errors import describe, save_error
 from .reshard import ReshardRule
 from .results import LoadResult, SaveResult
 from .runtime import DEFAULT, Runtime
-from .storage import FileRecord, Storage, StorageSpec, open_storage
-from .storage.base import BEFORE_DELETE
+from .storage import Storage, StorageSpec, open_storage
+from .timeline import Timeline
 
 log = logging.getLogger("forge_ckpt")
 
@@ -57,12 +49,6 @@ class CheckpointCoordinator:
         """`runtime`: threads and clocks (forge_ckpt.sim passes its deterministic ones)."""
         self.config = config
         self._rt = runtime
-        # close() never releases the lease while a storage call of ours runs: it asks the
-        # last one to, when it ends (_under_lease).
-        self._state = threading.Lock()  # held only for a few lines, never across I/O
-        self._busy = 0
-        self._close_requested = False
-        self._closed = False
         self.store = open_storage(config.storage)
         self._signer = config.signer
         self._lease = Lease(
@@ -73,6 +59,8 @@ class CheckpointCoordinator:
             identity=runtime.identity,
             lock=runtime.lock,
         )
+        self._calls = LeasedCalls(self._lease, self._release)  # close() never cuts one
+        self._under_lease = self._calls.run
         try:
             self.store.makedirs("")
             self._lease.acquire()
@@ -89,46 +77,19 @@ class CheckpointCoordinator:
             raise
         self._groups: dict[str, Group] = {}
         self._pending: asyncio.Task | None = None
-        self._branch_from: int | None = None  # set by a load of an older step (rollback)
-        self._abandons: list[tuple[int, float]] = []  # what the rollback found newer
-        # store url -> a step no newer than which anything is committed there (we are the
-        # only writer): a save of a newer step skips listing the steps before its cut.
-        self._newest_seen: dict[str, int] = {}
         self._commit_lock = runtime.lock()  # one commit at a time (a save's, a persist's)
         self._events = Events(config.on_event)  # one record per save and load (events.py)
         self.tier = open_tier(config, self._lease.release, self.store)  # None: no memory tier
         if self.tier is not None:
             self.tier.io = self._io
+        memory = self.tier.store if self.tier is not None else None
+        self._timeline = Timeline(self.store, config, memory)
+        self._loader = Loader(config, self._signer, self.store, self.tier, self._timeline,
+                              self._groups, self._io, self._newest)  # fmt: skip
 
     async def _io(self, fn: Callable[..., Any], *args: Any) -> Any:
         """A blocking storage call, off the event loop, under this coordinator's lease."""
         return await self._rt.to_thread(self._under_lease, fn, *args)
-
-    def _under_lease(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """Run a storage call of this coordinator: refused once close() was asked for; one
-        running when close() is asked for keeps the lease until it ends (the last one to end
-        releases it), so nothing is ever written to the folder after the release."""
-        with self._state:
-            if self._closed or self._close_requested:
-                raise CheckpointError("this CheckpointCoordinator is closed")
-            self._busy += 1
-        token = CURRENT_LEASE.set(self._lease)
-        fence = BEFORE_DELETE.set(self._fresh_lease)
-        try:
-            return fn(*args)
-        finally:
-            BEFORE_DELETE.reset(fence)
-            CURRENT_LEASE.reset(token)
-            with self._state:
-                self._busy -= 1
-                release = self._close_requested and self._busy == 0 and not self._closed
-                self._closed = self._closed or release
-            if release:
-                self._release()
-
-    def _fresh_lease(self) -> None:
-        """Before a delete request: the lease is still held, renewed just now (lock.FRESH_S)."""
-        self._lease.check(fresh=True)
 
     # ---- registration -------------------------------------------------------------------
 
@@ -193,7 +154,7 @@ class CheckpointCoordinator:
     ) -> SaveResult:
         """The save itself; `save` emits its event."""
         await self.wait(persisting=False)
-        self._check_open()
+        self._calls.check_open()
         store, spec = self._target(self.tier is not None)
         where = spec.child(layout.step_name(step))
         mode = self.config.async_mode
@@ -201,7 +162,7 @@ class CheckpointCoordinator:
         start = time.perf_counter()
         prepared = False  # only a folder this save prepared is ever removed by its abort
         try:
-            plan = await self._io(self._check_step, step, store)
+            plan = await self._io(self._timeline.plan, step, store)
             if plan is None:
                 return SaveResult(step, where.url, committed=True)
             prepared = True
@@ -209,7 +170,7 @@ class CheckpointCoordinator:
         except OSError as e:
             if prepared:
                 await self._discard(step, store)
-            elif self._branch_from is not None and store is self.store:
+            elif self._timeline.branch_from is not None and store is self.store:
                 await self._put_back()  # a set-aside move that failed half-way
             lines = [f"preparing the step: {describe(e)}"]
             raise save_error(self._newest(), step, lines) from e
@@ -241,7 +202,7 @@ class CheckpointCoordinator:
     ) -> int:
         """The snapshots' total size (their calls are already submitted); a failure aborts."""
         try:
-            return sum(await self._all(units, None, step, "snapshot", calls))
+            return sum(await self._all(units, calls, step, "snapshot"))
         except BaseException as e:
             await self._abort(units, step, e, store)
             raise
@@ -251,43 +212,6 @@ class CheckpointCoordinator:
         if memory and self.tier is not None:
             return self.tier.store, self.tier.spec
         return self.store, self.config.storage
-
-    def _check_step(self, step: int, store: Storage) -> list[tuple[int, float]] | None:
-        """None if `step` is already committed; else the steps this save abandons (after a
-        rollback). Refuses a step older than the newest of either tier. A step of the
-        abandoned branch with this very number is replaced explicitly: it goes first."""
-        if self._branch_from is not None and step > self._branch_from:
-            # What the rollback saw, not what is there now: a step of this new branch whose
-            # commit's outcome was unknown is newer than the branch point too.
-            abandons = list(self._abandons)
-            old = [t for s, t in abandons if s == step]
-            if old and branch.is_present(self.store, step, old[0]):
-                log.warning("rollback: setting step %d of the abandoned branch aside", step)
-                branch.set_aside(self.store, step)
-            if self.tier is not None and layout.all_steps(self.tier.store).count(step):
-                commit.remove_step(self.tier.store, step)  # its number; the rest stay till the
-            return abandons  # commit: they may be the only copies (durable_every > 1)
-        if step > self._newest_seen.get(store.url, step):
-            return []
-        stores = [store] if store is self.store else [store, self.store]
-        newest = 0
-        for s in stores:  # a memory save must not go behind a newer durable step either
-            committed = branch.live_steps(s)
-            if s is store and step in committed:
-                log.warning("step %d is already committed; nothing to save", step)
-                return None
-            newest = max(newest, committed[-1] if committed else 0)
-        self._newest_seen[store.url] = newest
-        if store is self.store and step in branch.superseded(store):
-            commit.remove_step(store, step)  # abandoned by a committed branch: free number
-        if step < newest:
-            raise CheckpointSaveError(
-                f"cannot save step {step}: step {newest} is newer in "
-                f"{self.config.folder}. To branch from an older step, load(step=...) it first "
-                "(the newer steps are then retired once the first save of the new branch "
-                "commits)"
-            )
-        return []
 
     async def _finish_save(
         self,
@@ -306,7 +230,7 @@ class CheckpointCoordinator:
             result.nbytes = await begun
         committing = False
         try:
-            records = await self._persisted(units, result, start)
+            records = await unit_calls.poll_written(units, result, start, self.config, self._newest)
             manifest = self._manifest(groups, result.step, records, result.seconds, extra)
             manifest.supersedes = abandons
             if manifest.created in [t for s, t in abandons if s == result.step]:
@@ -334,14 +258,15 @@ class CheckpointCoordinator:
         log.info(
             "committed step %d: %.1f MB in %.2fs", result.step, result.nbytes / 1e6, result.total_s
         )
-        if self._branch_from is not None and self.tier is not None:
-            await self._retire_memory(self._branch_from, result.step)
-        self._branch_from, self._abandons = None, []  # a new branch has committed its first step
+        branch_from = self._timeline.branch_from
+        if branch_from is not None and self.tier is not None:
+            await self._retire_memory(branch_from, result.step)
+        self._timeline.branch_committed()
         if abandons:  # the abandoned one goes now
             try:
                 await self._io(branch.retire_superseded, self.store)
             except OSError as e:  # loads skip them; the next save or start removes them
-                self._newest_seen.pop(self.store.url, None)  # their numbers are not free yet
+                self._timeline.forget(self.store)  # their numbers are not free yet
                 log.warning("could not yet remove the abandoned steps: %s", e)
         if self.tier is not None and store is self.tier.store:  # maybe persisted, later
             persist = (self._commit, self._retention)
@@ -364,22 +289,13 @@ class CheckpointCoordinator:
         """Best effort after a commit: a failure leaves extra steps, never a failed save (the
         step is committed); the next save tries again."""
         try:
-            removed = await self._io(self._apply_retention)
+            removed = await self._io(self._timeline.apply_retention)
         except OSError as e:
-            self._newest_seen.pop(self.store.url, None)  # abandoned steps may be left
+            self._timeline.forget(self.store)  # abandoned steps may be left
             log.warning("retention could not run (the next save tries again): %s", e)
             return
         if removed:
             log.info("retention removed steps %s", removed)
-
-    def _apply_retention(self) -> list[int]:
-        """Retention counts live steps only: an abandoned step not yet removed (its removal
-        failed) must not push a step of the new branch out. The abandoned steps go first:
-        the manifest that records their abandonment may be one retention removes, and then
-        nothing would mark them abandoned any more."""
-        branch.retire_superseded(self.store)
-        live = layout.committed_steps(self.store)  # none abandoned is left
-        return commit.apply_retention(self.store, self.config.retention, live)
 
     def _commit(self, manifest: layout.Manifest, store: Storage | None = None) -> None:
         """Commit under the lease (also the memory tier's persist: from its own thread)."""
@@ -389,39 +305,7 @@ class CheckpointCoordinator:
         with self._commit_lock:
             target = self.store if store is None else store
             commit.commit_step(target, manifest, self._lease.renew, self._signer)
-            seen = self._newest_seen.get(target.url, 0)
-            self._newest_seen[target.url] = max(seen, manifest.step)
-
-    async def _persisted(
-        self, units: list[Unit], result: SaveResult, start: float
-    ) -> dict[tuple[str, int], list[FileRecord]]:
-        """Poll every unit until its files are durable; a unit never blocks its actor meanwhile."""
-        records: dict[tuple[str, int], list[FileRecord]] = {}
-        delay = 0.002
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.config.save_timeout_s
-        while len(records) < len(units):
-            waiting = [u for u in units if (u.name, u.index) not in records]
-            done = await self._all(waiting, lambda u: u.status(), result.step, "write")
-            for u, recs in zip(waiting, done, strict=True):
-                if recs is not None:
-                    records[(u.name, u.index)] = recs
-                    result.seconds[u.name] = time.perf_counter() - start
-            if loop.time() > deadline:
-                late = [u.label for u in units if (u.name, u.index) not in records]
-                raise save_error(
-                    self._newest(),
-                    result.step,
-                    [
-                        f"{x}: still writing after {self.config.save_timeout_s:.0f}s "
-                        "(CheckpointConfig.save_timeout_s)"
-                        for x in late
-                    ],
-                )
-            if len(records) < len(units):
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 0.05)
-        return records
+            self._timeline.committed(target, manifest.step)
 
     def _manifest(
         self, groups: dict[str, Group], step: int, records: dict, seconds: dict, extra: Any
@@ -447,20 +331,8 @@ class CheckpointCoordinator:
     async def _abort(
         self, units: list[Unit], step: int, error: BaseException, store: Storage
     ) -> None:
-        """Stop every unit's part of a failed save (a trainer rank joins its background write,
-        so the next save and load find it idle), then remove the step's files. Units that
-        failed or hung are not asked: a hung actor would answer only after its hang."""
-        failed: set[str] = getattr(error, "failed_units", set())
-        units = [u for u in units if u.label not in failed]
-        timeout = self.config.abort_timeout_s
-
-        async def abort(u: Unit) -> None:  # the unit's call is made only once this runs
-            await asyncio.wait_for(u.abort_save(timeout), timeout + 5)
-
-        results = await asyncio.gather(*(abort(u) for u in units), return_exceptions=True)
-        for u, r in zip(units, results, strict=True):
-            if isinstance(r, BaseException) and not isinstance(r, asyncio.CancelledError):
-                log.debug("abort of %s: %s", u.label, r)
+        """Stop every unit's part of a failed save, then remove the step's files."""
+        await unit_calls.stop(units, error, self.config.abort_timeout_s)
         await self._discard(step, store)
 
     async def _discard(self, step: int, store: Storage) -> None:
@@ -471,7 +343,7 @@ class CheckpointCoordinator:
             return
         try:
             await self._io(commit.remove_if_uncommitted, store, step)
-            if store is self.store and self._branch_from is not None:
+            if store is self.store and self._timeline.branch_from is not None:
                 await self._put_back()
         except (OSError, CheckpointError) as e:
             log.warning(
@@ -501,7 +373,7 @@ class CheckpointCoordinator:
     def steps(self) -> list[int]:
         """Committed steps, ascending (the last one is the newest); steps of an abandoned
         branch whose removal is still pending are not listed."""
-        return branch.live_steps(self.store)
+        return self._timeline.steps()
 
     def _newest(self) -> int | None | OSError:
         """The newest committed step for error messages (the error if it cannot be listed)."""
@@ -534,56 +406,11 @@ class CheckpointCoordinator:
     ) -> LoadResult | None:
         """The load itself; `load` emits its event."""
         await self._settle()
-        self._check_open()
-        self._newest_seen.clear()
+        self._calls.check_open()
+        self._timeline.forget()
         if self.tier is not None:
             self.tier.relist()
-        exclude = set(exclude)
-        marked = await self._io(self._loadable)
-        mem = await self._io(self.tier.steps) if self.tier is not None else []
-        if step is not None and step not in marked and step not in mem:
-            raise CheckpointError(
-                f"step {step} is not a committed step in {self.config.folder}; "
-                f"committed steps: {self.steps() or 'none'}"
-                + (f", in memory: {mem or 'none'}" if self.tier is not None else "")
-            )
-        candidates = load_candidates(mem, marked, step, self.config.fallback)
-        # Read before anything is applied (a load is all or nothing): what a rollback to the
-        # step loaded would abandon.
-        oldest = min((c for _, c in candidates), default=None)
-        newer = [] if oldest is None else await self._io(branch.abandoned_by, self.store, oldest)
-        for n, (in_mem, candidate) in enumerate(candidates):
-            try:
-                loaded = await self._load_step(candidate, exclude, allow_mismatch, in_mem)
-            except CheckpointCorruptError as e:
-                if n + 1 == len(candidates):
-                    raise
-                nxt = candidates[n + 1]
-                if in_mem:  # a lost copy never comes back: nothing to move aside
-                    log.warning("%s; loading %s step %d", e, TIER[nxt[0]], nxt[1])
-                    continue
-                log.warning("step %d is corrupt (%s); falling back to %sstep %d", candidate, e,
-                            "memory " if nxt[0] else "", nxt[1])  # fmt: skip
-                await self._io(commit.quarantine_step, self.store, candidate)
-                continue
-            self._rollback_point(loaded.step, max([*marked, *mem], default=None), newer)
-            return loaded
-        return None
-
-    def _rollback_point(
-        self, loaded: int, newest: int | None, newer: list[tuple[int, float]]
-    ) -> None:
-        """A load of an older step than the newest starts a branch at the next save: note
-        the steps it will abandon (every newer one with a marker, recorded or not)."""
-        self._branch_from = loaded if newest is not None and loaded < newest else None
-        self._abandons = (
-            [p for p in newer if p[0] > loaded] if self._branch_from is not None else []
-        )
-
-    def _loadable(self) -> list[int]:
-        """Marked durable steps, less those a committed newer branch abandoned."""
-        gone = branch.superseded(self.store)
-        return [s for s in layout.marked_steps(self.store) if s not in gone]
+        return await self._loader.load(step, set(exclude), allow_mismatch)
 
     async def _settle(self) -> None:
         """Before a load: let a background save or persist end. Its failure is logged, not
@@ -597,70 +424,13 @@ class CheckpointCoordinator:
             if failure is not None:
                 log.warning("%s; loading the newest whole step of either tier", failure)
 
-    async def _load_step(
-        self, step: int, exclude: set[str], allow_mismatch: bool, in_mem: bool = False
-    ) -> LoadResult:
-        store, spec = self._target(in_mem)
-        if in_mem and self.tier is not None:  # every file must still have a copy somewhere
-            await self._io(self.tier.check_whole, step)
-        where = spec.child(layout.step_name(step))
-        manifest = await self._io(layout.read_committed, store, step, self._signer)
-        self._check_matches(manifest, exclude, allow_mismatch)
-        verify = self.config.verify_on_load
-        plan = await components.load_plan(self._groups, manifest, exclude, where, verify)
-        units = [p[0] for p in plan]
-        calls = [u.prepare(where, recs, verify, opts) for u, recs, opts in plan]
-        try:
-            notes = await self._all(units, None, step, "load", calls=calls)
-        except BaseException:
-            await asyncio.gather(*(u.abort() for u in units), return_exceptions=True)
-            raise
-        accepted = (f"{u.name}: {n}" for u, ns in zip(units, notes, strict=True) for n in ns)
-        for line in dict.fromkeys(accepted):  # once per component, not per replica
-            log.warning("loading despite a difference the component accepts: %s", line)
-        await components.apply_all(units, step, self.config.load_timeout_s)
-        log.info("loaded step %d from %s", step, where.url)
-        return LoadResult(step, manifest.extra, where.url, manifest, TIER[in_mem])
-
-    def _check_matches(self, manifest: layout.Manifest, exclude: set[str], allow: bool) -> None:
-        """Raise CheckpointMismatchError listing every difference."""
-        diffs = []
-        fp = self.config.fingerprint
-        if fp is not None and manifest.fingerprint is not None and fp != manifest.fingerprint:
-            diffs.append(
-                f"run fingerprint changed: checkpoint={manifest.fingerprint}, current={fp}"
-                " (the folder holds another run's checkpoints)"
-            )
-        diffs += components.differences(self._groups, manifest, exclude)
-        if diffs and not allow:
-            raise CheckpointMismatchError(diffs)
-        for d in diffs:
-            log.warning("loading despite mismatch: %s", d)
-
-    # ---- running calls on many units ------------------------------------------------------
-
     async def _all(
-        self,
-        units: list[Unit],
-        call: Callable[[Unit], Awaitable] | None,
-        step: int,
-        phase: str,
-        calls: Sequence[Awaitable] | None = None,
+        self, units: list[Unit], calls: Sequence[Awaitable], step: int, phase: str
     ) -> list:
-        """Run one call per unit at once (trainer ranks' calls are collectives: never in
-        sequence); any failure becomes one error naming every failed unit."""
-        knob = "load_timeout_s" if phase == "load" else "save_timeout_s"
-        aws = calls if calls is not None else [call(u) for u in units]  # type: ignore[misc]
-        labels = [u.label for u in units]
-        return await gather_units(
-            labels, aws, (getattr(self.config, knob), knob), phase, step, self._newest
-        )
+        """One call per unit at once; any failure is one error naming every failed unit."""
+        return await unit_calls.run_all(units, calls, step, phase, self.config, self._newest)
 
     # ---- lifetime -----------------------------------------------------------------------
-
-    def _check_open(self) -> None:
-        if self._closed or self._close_requested:
-            raise CheckpointError("this CheckpointCoordinator is closed")
 
     def close(self) -> None:
         """Release the folder's lease; never blocks. A background save that has not begun
@@ -673,14 +443,7 @@ class CheckpointCoordinator:
             self._pending.cancel()
         if self.tier is not None:
             self.tier.cancel()
-        with self._state:
-            if self._closed:
-                return
-            self._close_requested = True
-            release = self._busy == 0
-            self._closed = release
-        if release:
-            self._release()
+        self._calls.close()
 
     def _release(self) -> None:
         """The run is closed: its memory holders free their memory, then the lease goes."""

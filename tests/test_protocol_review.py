@@ -227,7 +227,7 @@ async def test_a_stale_abort_delete_never_removes_the_successors_step(tmp_path):
 async def _idle(coord: CheckpointCoordinator) -> None:
     """A condition, bounded: no storage call of the coordinator runs any more."""
     for _ in range(int(WAIT_S * 1000)):
-        if coord._busy == 0:
+        if coord._calls.busy == 0:
             return
         await asyncio.to_thread(threading.Event().wait, 0.001)
     raise AssertionError("the commit thread never ended")

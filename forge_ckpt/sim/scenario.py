@@ -147,7 +147,7 @@ class Job:
                     # Its commit may go on in its thread: a real next commit would wait for
                     # it on the coordinator's commit lock, which a greenlet cannot (one OS
                     # thread): wait here for the coordinator's storage calls to end instead.
-                    while self.coord._busy:
+                    while self.coord._calls.busy:
                         await asyncio.sleep(0.001)
                     return
             else:

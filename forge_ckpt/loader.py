@@ -1,0 +1,129 @@
+"""Load: choose a committed step of either tier, check it matches the job, prepare every unit,
+then apply; all or nothing.
+
+Everything that can refuse the load (the step's manifest, the differences with the job, each
+unit's prepare: reading and verifying its files) runs before any unit applies; a failure
+there leaves every component as it was. A damaged durable step is moved to `quarantine/` and
+the next older one tried (`fallback`); a memory step with a lost copy is skipped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from . import branch, commit, components, layout
+from .components import Group
+from .config import CheckpointConfig
+from .errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
+from .memory.choose import TIER
+from .memory.choose import candidates as load_candidates
+from .memory.tier import MemoryTier
+from .results import LoadResult
+from .signing import Signer
+from .storage import Storage
+from .timeline import Timeline
+from .unit_calls import Newest, run_all
+
+log = logging.getLogger("forge_ckpt")
+
+Io = Callable[..., Awaitable[Any]]  # a blocking storage call, off the loop, under the lease
+
+
+class Loader:
+    """The load path of one coordinator (its folder, memory tier, components and timeline)."""
+
+    def __init__(
+        self,
+        config: CheckpointConfig,
+        signer: Signer,
+        store: Storage,
+        tier: MemoryTier | None,
+        timeline: Timeline,
+        groups: dict[str, Group],
+        io: Io,
+        newest: Newest,
+    ) -> None:
+        self.config, self.signer, self.store = config, signer, store
+        self.tier, self.timeline = tier, timeline
+        self.groups = groups  # the coordinator's registry: what is registered at load time
+        self.io, self.newest = io, newest
+
+    async def load(
+        self, step: int | None, exclude: set[str], allow_mismatch: bool
+    ) -> LoadResult | None:
+        """Load `step` (None: the newest committed whole step of either tier)."""
+        marked = await self.io(self.timeline.loadable)
+        mem = await self.io(self.tier.steps) if self.tier is not None else []
+        if step is not None and step not in marked and step not in mem:
+            raise CheckpointError(
+                f"step {step} is not a committed step in {self.config.folder}; "
+                f"committed steps: {self.timeline.steps() or 'none'}"
+                + (f", in memory: {mem or 'none'}" if self.tier is not None else "")
+            )
+        candidates = load_candidates(mem, marked, step, self.config.fallback)
+        # Read before anything is applied (a load is all or nothing): what a rollback to the
+        # step loaded would abandon.
+        oldest = min((c for _, c in candidates), default=None)
+        newer = [] if oldest is None else await self.io(branch.abandoned_by, self.store, oldest)
+        for n, (in_mem, candidate) in enumerate(candidates):
+            try:
+                loaded = await self.load_step(candidate, exclude, allow_mismatch, in_mem)
+            except CheckpointCorruptError as e:
+                if n + 1 == len(candidates):
+                    raise
+                nxt = candidates[n + 1]
+                if in_mem:  # a lost copy never comes back: nothing to move aside
+                    log.warning("%s; loading %s step %d", e, TIER[nxt[0]], nxt[1])
+                    continue
+                log.warning("step %d is corrupt (%s); falling back to %sstep %d", candidate, e,
+                            "memory " if nxt[0] else "", nxt[1])  # fmt: skip
+                await self.io(commit.quarantine_step, self.store, candidate)
+                continue
+            self.timeline.branch_at(loaded.step, max([*marked, *mem], default=None), newer)
+            return loaded
+        return None
+
+    async def load_step(
+        self, step: int, exclude: set[str], allow_mismatch: bool, in_mem: bool = False
+    ) -> LoadResult:
+        """Prepare every unit from `step` (all of them, or raise), then apply."""
+        store, spec = self.store, self.config.storage
+        if in_mem and self.tier is not None:  # every file must still have a copy somewhere
+            store, spec = self.tier.store, self.tier.spec
+            await self.io(self.tier.check_whole, step)
+        where = spec.child(layout.step_name(step))
+        manifest = await self.io(layout.read_committed, store, step, self.signer)
+        self.check_matches(manifest, exclude, allow_mismatch)
+        verify = self.config.verify_on_load
+        plan = await components.load_plan(self.groups, manifest, exclude, where, verify)
+        units = [p[0] for p in plan]
+        calls = [u.prepare(where, recs, verify, opts) for u, recs, opts in plan]
+        try:
+            notes = await run_all(units, calls, step, "load", self.config, self.newest)
+        except BaseException:
+            await asyncio.gather(*(u.abort() for u in units), return_exceptions=True)
+            raise
+        accepted = (f"{u.name}: {n}" for u, ns in zip(units, notes, strict=True) for n in ns)
+        for line in dict.fromkeys(accepted):  # once per component, not per replica
+            log.warning("loading despite a difference the component accepts: %s", line)
+        await components.apply_all(units, step, self.config.load_timeout_s)
+        log.info("loaded step %d from %s", step, where.url)
+        return LoadResult(step, manifest.extra, where.url, manifest, TIER[in_mem])
+
+    def check_matches(self, manifest: layout.Manifest, exclude: set[str], allow: bool) -> None:
+        """Raise CheckpointMismatchError listing every difference."""
+        diffs = []
+        fp = self.config.fingerprint
+        if fp is not None and manifest.fingerprint is not None and fp != manifest.fingerprint:
+            diffs.append(
+                f"run fingerprint changed: checkpoint={manifest.fingerprint}, current={fp}"
+                " (the folder holds another run's checkpoints)"
+            )
+        diffs += components.differences(self.groups, manifest, exclude)
+        if diffs and not allow:
+            raise CheckpointMismatchError(diffs)
+        for d in diffs:
+            log.warning("loading despite mismatch: %s", d)
