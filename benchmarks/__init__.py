@@ -15,3 +15,13 @@ trainer and actors under test, with phase timers), `experiments` (the measuremen
 plots). Stand-alone: `python -m benchmarks.integrity`, `python -m benchmarks.stall`,
 `python -m benchmarks.tiers`.
 """
+
+import logging
+
+
+def setup_logging() -> None:
+    """The benchmarks' progress lines with a time stamp; forge_ckpt's own only if they warn."""
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(name)s %(message)s", datefmt="%H:%M:%S"
+    )
+    logging.getLogger("forge_ckpt").setLevel(logging.WARNING)

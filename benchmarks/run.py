@@ -35,7 +35,7 @@ os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 import ray  # noqa: E402
 import torch  # noqa: E402
 
-from . import contention, disk, experiments, report, state_sweep  # noqa: E402
+from . import contention, disk, experiments, report, setup_logging, state_sweep  # noqa: E402
 from .storage import bench as storage_bench  # noqa: E402
 from .timers import install_timers  # noqa: E402
 
@@ -314,10 +314,7 @@ def _run_all(args: argparse.Namespace, results: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(name)s %(message)s", datefmt="%H:%M:%S"
-    )
-    logging.getLogger("forge_ckpt").setLevel(logging.WARNING)
+    setup_logging()
     if args.report_only:
         with open(args.report_only) as f:
             results = json.load(f)

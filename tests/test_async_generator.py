@@ -31,7 +31,7 @@ async def cut_and_resume(folder: str) -> tuple[list, list[dict]]:
 
 def test_cut_between_tokens_resumes_every_request_bitwise(ray_local, tmp_path):
     captured, resumes = asyncio.run(cut_and_resume(os.path.join(tmp_path, "ckpt")))
-    print("in flight at the cut (seq, k, tokens so far):", captured)
+    print("in flight at the cut (replica, seq, k, tokens so far):", captured)
     assert any(n > 0 for *_, n in captured), "no request was mid-sequence at the cut"
     for replicas, r in zip((2, 3), resumes, strict=True):
         assert r["completions_equal"], (replicas, r)

@@ -18,6 +18,7 @@ import pytest
 from test_grpo_e2e import check_every_prompt_once_per_epoch, check_resumed, read, run_to_end
 
 from apps.grpo import chaos
+from benchmarks.async_rl.workload import in_flight_saved
 from forge_ckpt import committed_steps, layout, serialization
 from forge_ckpt.weights import is_ref
 
@@ -26,18 +27,6 @@ SLOW = {"FORGE_CKPT_FAULT": "fsync:sleep=0.05"}
 INTERVAL = 2  # checkpoint.interval of the config
 # (overrides of this start, how it is killed): from the second start on, one replica more
 STARTS = [([], "random"), (["policy.replicas=3"], "during_save")]
-
-
-def in_flight_at(folder: str, step: int) -> list[tuple[int, int, int, int]]:
-    """(replica, seq, k, tokens so far) of every unfinished request committed at `step`."""
-    out = []
-    for j in range(8):
-        path = os.path.join(layout.step_dir(folder, step), layout.actor_file("generators", j))
-        if not os.path.exists(path):
-            break
-        state = serialization.load(path)["state"]
-        out += [(j, int(r["seq"]), int(r["k"]), len(r["out"])) for r in state["active"]]
-    return out
 
 
 def check_weights_stored_once(folder: str, step: int, lag: int = 1) -> None:
@@ -88,7 +77,7 @@ def test_async_job_killed_mid_generation_resumes_bitwise(reference, tmp_path):
             kill = kill_at_random_step(job, run_dir, rng)
         assert kill is not None, f"job ended before kill {n}"
         step = kill.committed_at_kill[-1] if kill.committed_at_kill else 0
-        requests = in_flight_at(folder, step) if step else []
+        requests = in_flight_saved(folder, step) if step else []
         if step:
             check_weights_stored_once(folder, step)
         print(f"kill {n} ({moment}): resumes from step {step}; in flight there: {requests}")

@@ -29,6 +29,7 @@ import ray
 from forge_ckpt import CheckpointCoordinator, spawn_trainer_ranks
 
 from .generator import OWNER, Generator, replica_for
+from .metrics import step_record
 from .rl import EPISODE_FIELDS, group_advantages
 from .supervisor import placement
 from .task import Vocab, encode_prompts
@@ -153,19 +154,8 @@ async def train_step(job: AsyncJob, step: int) -> dict[str, Any]:
     results = await asyncio.gather(*(r.train_step.remote(batch) for r in job.ranks))
     await job.push_weights()
     stats = await job.reward.stats.remote()
-    m = results[0]
     return {
-        "step": step,
-        "loss": m["loss"],
-        "reward_mean": float(rewards.mean()),
-        "exact_frac": float((rewards == 1.0).mean()),
-        "reward_running_mean": stats["mean"],
-        "policy_version": m["version"],
-        "rollout_version": int(rollout["version"][0]),
-        "lr": m["lr"],
-        "grad_norm": m["grad_norm"],
-        "clip_frac": m["clip_frac"],
-        "kl": m["kl"],
+        **step_record(step, results[0], rewards, stats, rollout),
         "completion_tokens": int(np.asarray(rollout["completion_mask"]).sum()),
         "rollout_prompt_ids": rollout["prompt_id"][:: job.group].tolist(),
     }

@@ -49,7 +49,7 @@ from forge_ckpt import (  # noqa: E402
 from .async_rl import AsyncJob, resume_and_train_async  # noqa: E402
 from .chaos import chaos_hook  # noqa: E402
 from .config import ConfigError, fingerprint, load_config  # noqa: E402
-from .metrics import EventsLog, MetricsLog  # noqa: E402
+from .metrics import EventsLog, MetricsLog, step_record  # noqa: E402
 from .progress import Progress, summary  # noqa: E402
 from .rl import group_advantages  # noqa: E402
 from .supervisor import RecoveryError, Supervisor, placement  # noqa: E402
@@ -182,19 +182,8 @@ async def train_step(job: Job, rollouts: Rollouts, cfg: dict[str, Any], step: in
     batch = await batch_ref
     await job.push_weights()
     stats = await job.reward.stats.remote()
-    m = results[0]
     return {
-        "step": step,
-        "loss": m["loss"],
-        "reward_mean": float(rewards.mean()),
-        "exact_frac": float((rewards == 1.0).mean()),
-        "reward_running_mean": stats["mean"],
-        "policy_version": m["version"],
-        "rollout_version": int(rollout["version"][0]),
-        "lr": m["lr"],
-        "grad_norm": m["grad_norm"],
-        "clip_frac": m["clip_frac"],
-        "kl": m["kl"],
+        **step_record(step, results[0], rewards, stats, rollout),
         "rollout_prompt_ids": rollout["prompt_id"][:: int(cfg["policy"]["group_size"])].tolist(),
         "trained_prompt_ids": batch["prompt_id"].tolist(),
         "evicted_prompt_ids": evicted,

@@ -18,6 +18,27 @@ import threading
 from typing import Any
 
 
+def step_record(
+    step: int, trained: dict[str, Any], rewards: Any, stats: dict[str, Any], rollout: dict
+) -> dict[str, Any]:
+    """The fields every step line starts with, in this order (sync and async modes): the
+    trainer rank 0's results `trained`, the step's `rewards` and the reward actor's `stats`.
+    The order is part of the file's bytes: a resumed run must write the same lines."""
+    return {
+        "step": step,
+        "loss": trained["loss"],
+        "reward_mean": float(rewards.mean()),
+        "exact_frac": float((rewards == 1.0).mean()),
+        "reward_running_mean": stats["mean"],
+        "policy_version": trained["version"],
+        "rollout_version": int(rollout["version"][0]),
+        "lr": trained["lr"],
+        "grad_norm": trained["grad_norm"],
+        "clip_frac": trained["clip_frac"],
+        "kl": trained["kl"],
+    }
+
+
 class MetricsLog:
     def __init__(self, path: str) -> None:
         self.path = path

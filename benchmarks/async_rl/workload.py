@@ -103,7 +103,9 @@ class Workload:
         await self.wait_idle(fresh)
         after = await self.decoded(fresh, since_load=True)
         got = await self.collect(fresh)
-        missing = sum(int(self.done[(s, k)]["completion_mask"].sum()) - n for s, k, n in inflight)
+        missing = sum(
+            int(self.done[(s, k)]["completion_mask"].sum()) - n for _, s, k, n in inflight
+        )
         same = all(
             (got[key][c] == self.done[key][c]).all()
             for key in got
@@ -120,13 +122,14 @@ class Workload:
         }
 
 
-def in_flight_saved(folder: str, step: int) -> list[tuple[int, int, int]]:
-    """(seq, k, tokens so far) of every in-flight request in the step's generator files."""
+def in_flight_saved(folder: str, step: int) -> list[tuple[int, int, int, int]]:
+    """(replica, seq, k, tokens so far) of every unfinished request that committed step
+    `step` of the local `folder` holds (the files of the component "generators")."""
     out = []
-    for j in range(64):
+    for j in range(1 << 10):
         path = os.path.join(layout.step_dir(folder, step), layout.actor_file("generators", j))
         if not os.path.exists(path):
             break
         state = serialization.load(path)["state"]
-        out += [(int(r["seq"]), int(r["k"]), len(r["out"])) for r in state["active"]]
+        out += [(j, int(r["seq"]), int(r["k"]), len(r["out"])) for r in state["active"]]
     return out

@@ -184,16 +184,24 @@ def check_boto3(s3: Any) -> dict[str, Any]:
     wrong = _rejected(lambda: s3.put_object(Bucket=BUCKET, Key=key, Body=b"2", IfMatch='"bad"'))
     right = _rejected(lambda: s3.put_object(Bucket=BUCKET, Key=key, Body=b"3", IfMatch=etag))
     return {
-        "conditional_create": create.startswith("rejected"),
-        "conditional_replace": wrong.startswith("rejected") and right == "ACCEPTED",
-        "second_create": create,
-        "replace_with_wrong_etag": wrong,
-        "replace_with_current_etag": right,
+        **_conditionals(create, wrong, right),
         "retry_config": "Config(retries={'mode': 'standard' / 'adaptive' / 'legacy', "
         "'total_max_attempts': N}), connect_timeout, read_timeout; backoff is exponential "
         "with jitter, base and cap not configurable",
         "multipart_control": "explicit create_multipart_upload / upload_part / "
         "complete_multipart_upload: any part size, own thread pool, per-part retry",
+    }
+
+
+def _conditionals(create: str, wrong: str, right: str) -> dict[str, Any]:
+    """A client's answers to a second create, a replace with a wrong ETag and one with the
+    current ETag: conditional writes work if the first two are rejected and the last is not."""
+    return {
+        "conditional_create": create.startswith("rejected"),
+        "conditional_replace": wrong.startswith("rejected") and right == "ACCEPTED",
+        "second_create": create,
+        "replace_with_wrong_etag": wrong,
+        "replace_with_current_etag": right,
     }
 
 
@@ -213,11 +221,7 @@ def check_obstore(store: Any, server: SeaweedServer) -> dict[str, Any]:
     retry["backoff"] = {"init_backoff": timedelta(milliseconds=100), "max_backoff": timedelta(seconds=5), "base": 2.0}  # fmt: skip
     S3Store(BUCKET, endpoint=server.endpoint, client_options={"allow_http": True}, retry_config=retry)  # fmt: skip
     return {
-        "conditional_create": create.startswith("rejected"),
-        "conditional_replace": wrong.startswith("rejected") and right == "ACCEPTED",
-        "second_create": create,
-        "replace_with_wrong_etag": wrong,
-        "replace_with_current_etag": right,
+        **_conditionals(create, wrong, right),
         "retry_config": "S3Store(retry_config={'max_retries', 'retry_timeout', 'backoff': "
         "{'init_backoff', 'max_backoff', 'base'}}) accepted; client_options timeouts",
         "multipart_control": "put(use_multipart=True, chunk_size, max_concurrency); a "

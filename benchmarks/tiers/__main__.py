@@ -29,7 +29,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .. import disk
+from .. import disk, setup_logging
 from . import recovery, report, saveload
 from .env import Env, environment
 
@@ -122,10 +122,7 @@ def _check_memory(mib: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(name)s %(message)s", datefmt="%H:%M:%S"
-    )
-    logging.getLogger("forge_ckpt").setLevel(logging.WARNING)
+    setup_logging()
     if args.report_only:
         with open(args.report_only) as f:
             report.write(json.load(f), args.out)
