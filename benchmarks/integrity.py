@@ -25,7 +25,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from benchmarks import contention, disk, sections
-from forge_ckpt.dcp_io import SeamReader, SeamWriter
+from forge_ckpt.dcp.storage_io import SeamReader, SeamWriter
 from forge_ckpt.storage import open_storage
 from forge_ckpt.storage.base import Checksums, StorageSpec
 

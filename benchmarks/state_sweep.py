@@ -7,7 +7,8 @@ import logging
 import time
 from typing import Any
 
-from forge_ckpt import CheckpointCoordinator, layout
+from forge_ckpt import CheckpointCoordinator
+from forge_ckpt.steps import layout
 
 from . import disk
 from .experiments import (

@@ -64,7 +64,7 @@ def install_timers(kind: str) -> None:
     from forge_ckpt.storage import base, local
 
     if kind == "driver":
-        from forge_ckpt import commit
+        from forge_ckpt.steps import commit
 
         _patch(commit, "prepare_step", "prepare_step")
         _patch(commit, "commit_step", "commit")
@@ -80,7 +80,7 @@ def install_timers(kind: str) -> None:
     if kind == "trainer":
         import torch.distributed.checkpoint as dcp
 
-        from forge_ckpt import trainer
+        from forge_ckpt.trainer import checkpointer as trainer
 
         _patch(dcp, "save", "dcp_save")
         _patch(dcp, "load", "dcp_load")

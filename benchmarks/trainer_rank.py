@@ -18,8 +18,8 @@ from torch import nn
 from torchtitan.components.checkpointer import AsyncMode, CheckpointManager
 from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
 
-from forge_ckpt.trainer import TrainerCheckpointer, flat_state
-from forge_ckpt.trainer_actor import TrainerMixin
+from forge_ckpt.trainer.checkpointer import TrainerCheckpointer, flat_state
+from forge_ckpt.trainer.ranks import TrainerMixin
 
 from .timers import install_timers, rss, take_phases
 

@@ -30,10 +30,10 @@ from rich.markup import escape
 from rich.table import Table
 from rich.tree import Tree
 
-from . import commit, layout
 from .errors import CheckpointCorruptError, CheckpointError, CheckpointSignatureError
-from .lock import Lease
-from .signing import Signer
+from .steps import commit, layout
+from .steps.lock import Lease
+from .steps.signing import Signer
 from .storage import Storage, open_storage
 from .tools import report
 from .tools.progress import progress
@@ -175,7 +175,7 @@ def _open_safely(store: Storage, rec: Any) -> None:
     load would decode (DCP metadata through the allowlist, actor file headers), never running
     anything, so a planted pickle is reported here instead of at load."""
     from . import serialization
-    from .dcp_metadata import load_metadata
+    from .dcp.metadata import load_metadata
 
     if rec.path == ".metadata":
         load_metadata(store.read(rec.path), store.where(rec.path))
@@ -261,7 +261,7 @@ def _short(v: Any) -> str:
 def _dcp_entries(store: Storage, rec: Any) -> dict[str, dict[str, Any]]:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from .dcp_metadata import load_metadata
+    from .dcp.metadata import load_metadata
 
     meta = load_metadata(store.read_verified(rec.path, rec), store.where(rec.path))
     out: dict[str, dict[str, Any]] = {}
@@ -330,7 +330,7 @@ def export(
 ) -> None:
     """The trainer's model weights (no optimizer, LR or RNG) of a committed step, as sharded
     safetensors with model.safetensors.index.json; exit 1 if the step or a file is bad."""
-    from .export import export_safetensors, parse_dtype, parse_size
+    from .tools.export import export_safetensors, parse_dtype, parse_size
 
     del fmt  # the only format so far; naming it keeps command lines explicit and future-proof
     cmd = "export" if as_json else None
@@ -385,7 +385,7 @@ def copy(
     """Copy a committed step into another checkpoint folder (local or s3://), every file
     checked against the manifest, committed there like a save (docs/copy.md); exit 1 if the
     step or a file is bad, DEST is leased by a live job or already has the step."""
-    from .transfer import copy_progress, copy_step
+    from .steps.transfer import copy_progress, copy_step
 
     store, step = _step_of(step_folder)
     try:

@@ -10,8 +10,8 @@ from typing import Any, Literal
 
 import yaml
 
-from .commit import RetentionPolicy
-from .signing import Signer
+from .steps.commit import RetentionPolicy
+from .steps.signing import Signer
 from .storage import StorageSpec, normalize_url
 
 DEPRECATED_ASYNC = (
@@ -67,8 +67,8 @@ class CheckpointConfig:
     memory_budget_bytes / memory_keep: each holder's byte budget, and how many newest memory
         steps it keeps when a new file needs room; a file that does not fit fails the save.
     memory_namespace: the Ray namespace of the (detached, named) holder actors.
-    on_event: called with a `forge_ckpt.events.CheckpointEvent` after every save, persist and
-        load (docs/api.md); in code only, never from YAML. Also logged to `forge_ckpt.events`.
+    on_event: called with a `forge_ckpt.coordination.events.CheckpointEvent` after every save, persist and
+        load (docs/api.md); in code only, never from YAML. Also logged to `forge_ckpt.coordination.events`.
     """
 
     folder: str

@@ -51,8 +51,8 @@ import msgpack
 import numpy as np
 import torch
 
+from .actors.immutable import Immutable
 from .errors import CheckpointCorruptError, NotSerializableError
-from .immutable import Immutable
 from .storage import FileRecord, Storage, Writer, open_storage
 
 MAGIC = b"FCKPT\x00\x01\n"

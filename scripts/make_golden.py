@@ -34,8 +34,9 @@ import _trainer_model  # noqa: E402
 import golden_state  # noqa: E402
 import ray  # noqa: E402
 
-from forge_ckpt import CheckpointConfig, CheckpointCoordinator, layout, spawn_trainer_ranks  # noqa: E402
+from forge_ckpt import CheckpointConfig, CheckpointCoordinator, spawn_trainer_ranks  # noqa: E402
 from forge_ckpt.serialization import _TORCH_BLOB_DTYPES  # noqa: E402
+from forge_ckpt.steps import layout  # noqa: E402
 
 STEP = 3
 WORLD = 2

@@ -20,8 +20,8 @@ from typing import Any
 import pytest_asyncio
 
 from forge_ckpt import CheckpointConfig, CheckpointCoordinator
-from forge_ckpt.actor import Checkpointable
-from forge_ckpt.runtime import Runtime
+from forge_ckpt.actors.checkpointable import Checkpointable
+from forge_ckpt.coordination.runtime import Runtime
 from forge_ckpt.storage import SCHEMES, StorageSpec
 from forge_ckpt.storage.local import LocalStorage
 

@@ -19,8 +19,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from _trainer_model import optim_summary
 
-from forge_ckpt.trainer import TrainerCheckpointer
-from forge_ckpt.trainer_actor import TrainerMixin
+from forge_ckpt.trainer.checkpointer import TrainerCheckpointer
+from forge_ckpt.trainer.ranks import TrainerMixin
 
 DIMS = [(8, 32), (32, 32), (32, 24), (24, 4)]
 

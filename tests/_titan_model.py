@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from forge_ckpt.trainer import TrainerCheckpointer
-from forge_ckpt.trainer_actor import TrainerMixin
+from forge_ckpt.trainer.checkpointer import TrainerCheckpointer
+from forge_ckpt.trainer.ranks import TrainerMixin
 
 
 def build(family: str, flavor: str, seed: int) -> torch.nn.Module:

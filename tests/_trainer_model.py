@@ -22,9 +22,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from forge_ckpt import rng
-from forge_ckpt.trainer import TrainerCheckpointer
-from forge_ckpt.trainer_actor import TrainerMixin
+from forge_ckpt.actors import rng
+from forge_ckpt.trainer.checkpointer import TrainerCheckpointer
+from forge_ckpt.trainer.ranks import TrainerMixin
 
 
 def build_model(seed: int = 0) -> nn.Module:

@@ -27,12 +27,7 @@ import numpy as np  # noqa: E402
 import ray  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 
-from forge_ckpt import (  # noqa: E402
-    Checkpointable,
-    CheckpointConfig,
-    CheckpointCoordinator,
-    spawn_trainer_ranks,
-)
+from forge_ckpt import Checkpointable, CheckpointConfig, CheckpointCoordinator, spawn_trainer_ranks  # noqa: E402
 
 WORKERS = ("node_a", "node_b")
 # Fast node-death detection: a removed raylet says goodbye, a crashed one is found by these.

@@ -13,8 +13,8 @@ import signal
 import sys
 import threading
 
-from forge_ckpt import commit, transfer
-from forge_ckpt.lock import Lease
+from forge_ckpt.steps import commit, transfer
+from forge_ckpt.steps.lock import Lease
 from forge_ckpt.storage.local import LocalWriter
 from forge_ckpt.storage.s3 import S3Writer
 

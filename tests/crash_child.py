@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from crash_actors import Sampler, make_trainer_ranks  # noqa: E402
 
 from forge_ckpt import CheckpointConfig, CheckpointCoordinator  # noqa: E402
-from forge_ckpt import components as comp_mod  # noqa: E402
+from forge_ckpt.coordination import components as comp_mod  # noqa: E402
 from forge_ckpt.storage.local import LocalStorage  # noqa: E402
 
 

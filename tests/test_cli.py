@@ -16,8 +16,9 @@ import pytest
 from rich.console import Console
 from typer.testing import CliRunner
 
-from forge_ckpt import CheckpointConfig, CheckpointCoordinator, layout
+from forge_ckpt import CheckpointConfig, CheckpointCoordinator
 from forge_ckpt.cli import app
+from forge_ckpt.steps import layout
 from forge_ckpt.tools.progress import progress
 from forge_ckpt.tools.report import SCHEMA_VERSION, dumps
 

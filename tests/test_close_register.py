@@ -20,7 +20,8 @@ from _held_storage import (
     hold,
 )
 
-from forge_ckpt import CheckpointConfig, CheckpointCoordinator, layout
+from forge_ckpt import CheckpointConfig, CheckpointCoordinator
+from forge_ckpt.steps import layout
 
 pytestmark = pytest.mark.usefixtures("held_rules")
 

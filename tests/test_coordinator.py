@@ -22,8 +22,8 @@ from forge_ckpt import (
     CheckpointMismatchError,
     CheckpointSaveError,
     InvalidNameError,
-    layout,
 )
+from forge_ckpt.steps import layout
 
 
 @ray.remote

@@ -26,11 +26,10 @@ from forge_ckpt import (
     CheckpointCorruptError,
     CheckpointError,
     CheckpointLockedError,
-    commit,
     copy_step,
-    layout,
 )
 from forge_ckpt.cli import app
+from forge_ckpt.steps import commit, layout
 from forge_ckpt.storage import open_storage
 
 sys.path.insert(0, os.path.dirname(__file__))

@@ -12,8 +12,9 @@ import sys
 import pytest
 from typer.testing import CliRunner
 
-from forge_ckpt import CheckpointConfig, CheckpointCoordinator, CheckpointCorruptError, layout
+from forge_ckpt import CheckpointConfig, CheckpointCoordinator, CheckpointCorruptError
 from forge_ckpt.cli import app
+from forge_ckpt.steps import layout
 
 sys.path.insert(0, os.path.dirname(__file__))
 from crash_actors import Sampler, make_trainer_ranks  # noqa: E402

@@ -16,7 +16,8 @@ import sys
 import pytest
 import ray
 
-from forge_ckpt import CheckpointConfig, CheckpointCoordinator, layout
+from forge_ckpt import CheckpointConfig, CheckpointCoordinator
+from forge_ckpt.steps import layout
 
 sys.path.insert(0, os.path.dirname(__file__))
 from crash_actors import Sampler, make_trainer_ranks  # noqa: E402

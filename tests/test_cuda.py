@@ -13,8 +13,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from forge_ckpt import Checkpointable, CheckpointConfig, CheckpointCoordinator
-from forge_ckpt.trainer import TrainerCheckpointer
-from forge_ckpt.trainer_actor import TrainerMixin, spawn_trainer_ranks
+from forge_ckpt.trainer.checkpointer import TrainerCheckpointer
+from forge_ckpt.trainer.ranks import TrainerMixin, spawn_trainer_ranks
 
 pytestmark = [
     pytest.mark.gpu,

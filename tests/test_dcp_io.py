@@ -9,7 +9,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
 
-from forge_ckpt.dcp_io import SavePlanner
+from forge_ckpt.dcp.storage_io import SavePlanner
 
 VALUES = {
     "zero": 0.0,

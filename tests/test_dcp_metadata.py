@@ -28,7 +28,7 @@ import torch.nn as nn
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint import metadata as dcp_md
 
-from forge_ckpt.dcp_metadata import allowed_globals, load_metadata
+from forge_ckpt.dcp.metadata import allowed_globals, load_metadata
 from forge_ckpt.errors import CheckpointCorruptError
 
 SCENARIOS = ["adamw", "dtypes", "non_tensor", "torchtitan", "fsdp2_2rank"]

@@ -21,8 +21,9 @@ import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint import CheckpointException, FileSystemWriter
 
-from forge_ckpt import CheckpointCorruptError, tensor_blob
-from forge_ckpt.dcp_io import SeamReader, SeamWriter, verify_local
+from forge_ckpt import CheckpointCorruptError
+from forge_ckpt.dcp import tensor_blob
+from forge_ckpt.dcp.storage_io import SeamReader, SeamWriter, verify_local
 from forge_ckpt.storage import FileRecord, open_storage
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")

@@ -26,10 +26,10 @@ from forge_ckpt import (  # noqa: E402
     CheckpointConfig,
     CheckpointCoordinator,
     CheckpointSaveError,
-    immutable,
+    immutable,  # noqa: E402
     serialization,
 )
-from forge_ckpt.trainer_actor import spawn_trainer_ranks  # noqa: E402
+from forge_ckpt.trainer.ranks import spawn_trainer_ranks  # noqa: E402
 
 deferred = pytest.mark.asyncio(loop_scope="module")
 

@@ -18,8 +18,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 from typer.testing import CliRunner
 
-from forge_ckpt import CheckpointConfig, CheckpointCoordinator, layout
+from forge_ckpt import CheckpointConfig, CheckpointCoordinator
 from forge_ckpt.cli import app
+from forge_ckpt.steps import layout
 from forge_ckpt.storage import open_storage
 from forge_ckpt.tools.diff import diff_steps
 

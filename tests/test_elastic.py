@@ -14,7 +14,7 @@ import ray
 import torch
 
 from forge_ckpt import CheckpointConfig, CheckpointCoordinator, spawn_trainer_ranks
-from forge_ckpt.rng import derive
+from forge_ckpt.actors.rng import derive
 
 sys.path.insert(0, os.path.dirname(__file__))
 import _trainer_model  # noqa: E402

@@ -1,5 +1,5 @@
 """Checkpoint events: one record per save and load, to `CheckpointConfig.on_event` and the
-`forge_ckpt.events` logger, with the step, tier, bytes, timings and outcome that happened."""
+`forge_ckpt.coordination.events` logger, with the step, tier, bytes, timings and outcome that happened."""
 
 from __future__ import annotations
 
@@ -12,8 +12,9 @@ import sys
 import pytest
 import ray
 
-from forge_ckpt import CheckpointConfig, CheckpointCoordinator, CheckpointSaveError, layout
-from forge_ckpt.events import CheckpointEvent
+from forge_ckpt import CheckpointConfig, CheckpointCoordinator, CheckpointSaveError
+from forge_ckpt.coordination.events import CheckpointEvent
+from forge_ckpt.steps import layout
 
 sys.path.insert(0, os.path.dirname(__file__))
 from crash_actors import Sampler  # noqa: E402
@@ -36,7 +37,7 @@ def test_save_failed_save_and_load_events(ray_local, tmp_path, caplog):
         await coord.load()
         coord.close()
 
-    with caplog.at_level(logging.INFO, logger="forge_ckpt.events"):
+    with caplog.at_level(logging.INFO, logger="forge_ckpt.coordination.events"):
         asyncio.run(run())
     nbytes = layout.read_committed(folder, 1).nbytes
     assert [(e.kind, e.step, e.tier, e.outcome) for e in events] == [
@@ -50,9 +51,15 @@ def test_save_failed_save_and_load_events(ray_local, tmp_path, caplog):
     assert set(saved.components) == {"sampler"} and 0 < saved.components["sampler"]
     assert 0 < saved.blocked_s <= saved.seconds  # sync: the caller waits for the commit
     assert failed.error is not None and "sampler" in failed.error and failed.nbytes == 0
-    logged = [json.loads(r.getMessage()) for r in caplog.records if r.name == "forge_ckpt.events"]
+    logged = [
+        json.loads(r.getMessage())
+        for r in caplog.records
+        if r.name == "forge_ckpt.coordination.events"
+    ]
     assert logged == [e.to_dict() for e in events]
-    assert all(r.event["kind"] for r in caplog.records if r.name == "forge_ckpt.events")
+    assert all(
+        r.event["kind"] for r in caplog.records if r.name == "forge_ckpt.coordination.events"
+    )
 
 
 def test_async_save_event_comes_when_committed(ray_local, tmp_path):

@@ -17,11 +17,12 @@ import torch
 from safetensors.torch import load, load_file
 from typer.testing import CliRunner
 
-from forge_ckpt import CheckpointConfig, CheckpointCoordinator, layout, spawn_trainer_ranks
+from forge_ckpt import CheckpointConfig, CheckpointCoordinator, spawn_trainer_ranks
 from forge_ckpt.cli import app
-from forge_ckpt.dcp_metadata import load_metadata
-from forge_ckpt.export import INDEX
+from forge_ckpt.dcp.metadata import load_metadata
+from forge_ckpt.steps import layout
 from forge_ckpt.storage import open_storage
+from forge_ckpt.tools.export import INDEX
 
 sys.path.insert(0, os.path.dirname(__file__))
 import _trainer_model  # noqa: E402

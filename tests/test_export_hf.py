@@ -19,9 +19,10 @@ import ray
 import torch
 from typer.testing import CliRunner
 
-from forge_ckpt import CheckpointConfig, CheckpointCoordinator, layout, spawn_trainer_ranks
+from forge_ckpt import CheckpointConfig, CheckpointCoordinator, spawn_trainer_ranks
 from forge_ckpt.cli import app
-from forge_ckpt.export import INDEX, export_safetensors
+from forge_ckpt.steps import layout
+from forge_ckpt.tools.export import INDEX, export_safetensors
 
 sys.path.insert(0, os.path.dirname(__file__))
 from test_export import read_export  # noqa: E402

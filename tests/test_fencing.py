@@ -19,11 +19,11 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
-from forge_ckpt import layout
 from forge_ckpt.cli import app
-from forge_ckpt.commit import commit_step, prepare_step, remove_step, remove_uncommitted
 from forge_ckpt.errors import CheckpointCorruptError, CheckpointError, CheckpointLockedError
-from forge_ckpt.lock import Lease, _boot_id, _pid_ns
+from forge_ckpt.steps import layout
+from forge_ckpt.steps.commit import commit_step, prepare_step, remove_step, remove_uncommitted
+from forge_ckpt.steps.lock import Lease, _boot_id, _pid_ns
 from forge_ckpt.storage import PreconditionFailedError, Storage, crc32c_of_bytes, open_storage
 
 

@@ -23,10 +23,10 @@ from forge_ckpt import (
     CheckpointConfig,
     CheckpointCoordinator,
     CheckpointCorruptError,
-    layout,
     spawn_trainer_ranks,
 )
 from forge_ckpt.cli import app
+from forge_ckpt.steps import layout
 from forge_ckpt.storage import crc32c_of_bytes
 
 sys.path.insert(0, os.path.dirname(__file__))

@@ -19,8 +19,9 @@ from test_grpo_e2e import check_every_prompt_once_per_epoch, check_resumed, read
 
 from apps.grpo import chaos
 from benchmarks.async_rl.workload import in_flight_saved
-from forge_ckpt import committed_steps, layout, serialization
-from forge_ckpt.weights import is_ref
+from forge_ckpt import committed_steps, serialization
+from forge_ckpt.actors.weights import is_ref
+from forge_ckpt.steps import layout
 
 CONFIG = os.path.join(os.path.dirname(__file__), "..", "configs", "grpo_async_test.yaml")
 SLOW = {"FORGE_CKPT_FAULT": "fsync:sleep=0.05"}

@@ -17,7 +17,8 @@ import pytest
 
 from apps.grpo import chaos, plot
 from apps.grpo.metrics import EventsLog
-from forge_ckpt import committed_steps, layout
+from forge_ckpt import committed_steps
+from forge_ckpt.steps import layout
 
 CONFIG = os.path.join(os.path.dirname(__file__), "..", "configs", "grpo_test.yaml")
 SLOW = {"FORGE_CKPT_FAULT": "fsync:sleep=0.05"}

@@ -11,8 +11,14 @@ import threading
 
 import pytest
 
-from forge_ckpt import layout
-from forge_ckpt.commit import (
+from forge_ckpt.errors import (
+    CheckpointCorruptError,
+    CheckpointLockedError,
+    CheckpointSaveError,
+    InvalidNameError,
+)
+from forge_ckpt.steps import layout
+from forge_ckpt.steps.commit import (
     RetentionPolicy,
     apply_retention,
     commit_step,
@@ -22,13 +28,7 @@ from forge_ckpt.commit import (
     remove_uncommitted,
     retire_after,
 )
-from forge_ckpt.errors import (
-    CheckpointCorruptError,
-    CheckpointLockedError,
-    CheckpointSaveError,
-    InvalidNameError,
-)
-from forge_ckpt.lock import Lease
+from forge_ckpt.steps.lock import Lease
 from forge_ckpt.storage import open_storage
 
 
@@ -232,7 +232,7 @@ def test_expired_lease_is_taken_over_and_the_stale_holder_cannot_renew(store):
 
 def test_lease_of_dead_local_holder_is_taken_over_at_once(tmp_path):
     code = (
-        "import sys, time; from forge_ckpt.lock import Lease; from forge_ckpt.storage import "
+        "import sys, time; from forge_ckpt.steps.lock import Lease; from forge_ckpt.storage import "
         "open_storage; Lease(open_storage(sys.argv[1]), ttl_s=600).acquire(); "
         "print('held', flush=True); time.sleep(60)"
     )

@@ -34,12 +34,12 @@ from forge_ckpt import (  # noqa: E402
     CheckpointCorruptError,
     CheckpointError,
     CheckpointMismatchError,
-    components,
-    layout,
-    rng,  # noqa: E402
     spawn_trainer_ranks,
 )
-from forge_ckpt.trainer import TrainerCheckpointer  # noqa: E402
+from forge_ckpt.actors import rng  # noqa: E402
+from forge_ckpt.coordination import components  # noqa: E402
+from forge_ckpt.steps import layout  # noqa: E402
+from forge_ckpt.trainer.checkpointer import TrainerCheckpointer  # noqa: E402
 
 KEY = "load-atomic-key"  # signed: the trainer's files carry BLAKE3 digests
 

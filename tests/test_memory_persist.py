@@ -24,12 +24,8 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import cluster_util as cu  # noqa: E402
 
-from forge_ckpt import (  # noqa: E402
-    CheckpointCoordinator,
-    CheckpointError,
-    committed_steps,
-    layout,
-)
+from forge_ckpt import CheckpointCoordinator, CheckpointError, committed_steps  # noqa: E402
+from forge_ckpt.steps import layout  # noqa: E402
 
 nodes = pytest.fixture(scope="module", name="nodes")(cu.driving_cluster)
 config = cu.memory_config
@@ -103,7 +99,7 @@ async def test_a_step_waiting_to_be_persisted_stays_in_memory(nodes, s3_folder, 
 async def test_a_failed_persist_is_raised_after_a_later_one(nodes, s3_folder, tmp_path, caplog):
     """Step 1's persist fails; step 2's starts (and succeeds) after it: the next wait()
     still raises step 1's failure, once, as the log line says. Each save and persist emits
-    its event (forge_ckpt.events)."""
+    its event (forge_ckpt.coordination.events)."""
     events: list[Any] = []
     cfg = config(s3_folder.url, s3_folder.options, durable_every=1, on_event=events.append)
     coord = CheckpointCoordinator(cfg)

@@ -29,16 +29,11 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import cluster_util as cu  # noqa: E402
 
-from forge_ckpt import (  # noqa: E402
-    CheckpointConfig,
-    CheckpointCoordinator,
-    CheckpointSaveError,
-    committed_steps,
-    layout,
-)
+from forge_ckpt import CheckpointConfig, CheckpointCoordinator, CheckpointSaveError, committed_steps  # noqa: E402
 from forge_ckpt.memory import transport  # noqa: E402
 from forge_ckpt.memory.choose import candidates  # noqa: E402
 from forge_ckpt.memory.transport import Endpoint, TransportError  # noqa: E402
+from forge_ckpt.steps import layout  # noqa: E402
 from forge_ckpt.storage import open_storage  # noqa: E402
 
 HERE = os.path.abspath(__file__)

@@ -26,13 +26,8 @@ import numpy as np
 import pytest
 import torch
 
-from forge_ckpt import (
-    Checkpointable,
-    CheckpointConfig,
-    CheckpointCoordinator,
-    layout,
-    spawn_trainer_ranks,
-)
+from forge_ckpt import Checkpointable, CheckpointConfig, CheckpointCoordinator, spawn_trainer_ranks
+from forge_ckpt.steps import layout
 
 sys.path.insert(0, os.path.dirname(__file__))
 import _trainer_model  # noqa: E402
@@ -40,7 +35,7 @@ from powerfs.fuse import fuse_unavailable, start_or_skip  # noqa: E402
 from powerfs.model import DurableTree, Op, durable_states, replay  # noqa: E402
 
 COMMIT_2 = "ckpt/step-2/COMMIT"  # the step layout: step-N/ ... COMMIT written last
-LEASE = "ckpt/.forge_ckpt.lease"  # records COMMIT: the commit point (forge_ckpt/lock.py)
+LEASE = "ckpt/.forge_ckpt.lease"  # records COMMIT: the commit point (forge_ckpt/steps/lock.py)
 
 
 class Holder(Checkpointable):

@@ -30,9 +30,10 @@ from _held_storage import (
     job,
 )
 
-from forge_ckpt import CheckpointConfig, CheckpointCoordinator, layout
+from forge_ckpt import CheckpointConfig, CheckpointCoordinator
+from forge_ckpt.coordination.runtime import Runtime
 from forge_ckpt.errors import CheckpointError, CheckpointLockedError
-from forge_ckpt.runtime import Runtime
+from forge_ckpt.steps import layout
 from forge_ckpt.storage import SCHEMES, StorageSpec
 from forge_ckpt.storage.local import LocalStorage
 from forge_ckpt.storage.s3 import S3Storage

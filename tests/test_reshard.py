@@ -1,5 +1,5 @@
 """Actors saved with N replicas load into M only through a declared resharding rule: the
-ready-made rules (forge_ckpt.reshard), rules given at registration and on the actor class,
+ready-made rules (forge_ckpt.actors.reshard), rules given at registration and on the actor class,
 the errors without a rule or with a failing one (nothing changed anywhere), and components
 that are new or gone."""
 
@@ -20,7 +20,7 @@ from forge_ckpt import (
     CheckpointCoordinator,
     CheckpointMismatchError,
 )
-from forge_ckpt.reshard import concat_split, merge_running_stats, repartition_indices
+from forge_ckpt.actors.reshard import concat_split, merge_running_stats, repartition_indices
 
 # ---- the ready-made rules ---------------------------------------------------------------
 

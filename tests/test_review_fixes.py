@@ -19,9 +19,9 @@ from forge_ckpt import (
     CheckpointCoordinator,
     CheckpointError,
     CheckpointSaveError,
-    layout,
     spawn_trainer_ranks,
 )
+from forge_ckpt.steps import layout
 
 sys.path.insert(0, os.path.dirname(__file__))
 import _trainer_model  # noqa: E402

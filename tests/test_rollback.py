@@ -15,7 +15,8 @@ from _held_storage import (
     held_rules,  # noqa: F401 (a fixture)
 )
 
-from forge_ckpt import CheckpointCoordinator, CheckpointSaveError, layout
+from forge_ckpt import CheckpointCoordinator, CheckpointSaveError
+from forge_ckpt.steps import layout
 
 pytestmark = pytest.mark.usefixtures("held_rules")
 

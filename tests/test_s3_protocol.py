@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 
 from forge_ckpt import CheckpointConfig, CheckpointCoordinator
-from forge_ckpt.commit import quarantine_step, remove_step
-from forge_ckpt.lock import Lease
+from forge_ckpt.steps.commit import quarantine_step, remove_step
+from forge_ckpt.steps.lock import Lease
 from forge_ckpt.storage import AlreadyExistsError, StorageError, StorageSpec
 from forge_ckpt.storage import s3 as s3mod
 from forge_ckpt.storage.s3 import S3Storage

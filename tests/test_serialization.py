@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from forge_ckpt import rng, serialization
+from forge_ckpt import serialization
+from forge_ckpt.actors import rng
 from forge_ckpt.errors import CheckpointCorruptError, NotSerializableError
 from forge_ckpt.serialization import MAGIC, describe, load, loads, save, snapshot
 from forge_ckpt.storage import FileRecord

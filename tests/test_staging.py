@@ -7,7 +7,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from forge_ckpt.staging import SnapshotBuffers
+from forge_ckpt.trainer.staging import SnapshotBuffers
 
 
 def state() -> dict:

@@ -34,10 +34,10 @@ from forge_ckpt import (
     CheckpointCoordinator,
     CheckpointError,
     CheckpointSaveError,
-    layout,
     spawn_trainer_ranks,
 )
 from forge_ckpt.cli import app
+from forge_ckpt.steps import layout
 
 sys.path.insert(0, os.path.dirname(__file__))
 from crash_actors import _trainer_cls, make_trainer_ranks  # noqa: E402
@@ -401,7 +401,7 @@ def test_start_with_unremovable_leftover_names_it(disk, caplog):
 
 def test_failed_start_releases_the_folder_lock(tmp_path, monkeypatch):
     """A start that fails after taking the lock must release it, so the job can retry."""
-    from forge_ckpt import commit
+    from forge_ckpt.steps import commit
 
     folder = str(tmp_path / "ckpt")
     real = commit.remove_uncommitted

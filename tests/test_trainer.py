@@ -25,10 +25,11 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 import _trainer_model  # noqa: E402
 
-from forge_ckpt import layout, serialization  # noqa: E402
+from forge_ckpt import serialization  # noqa: E402
 from forge_ckpt.errors import CheckpointCorruptError, CheckpointError  # noqa: E402
+from forge_ckpt.steps import layout  # noqa: E402
 from forge_ckpt.storage import FileRecord, open_storage  # noqa: E402
-from forge_ckpt.trainer_actor import spawn_trainer_ranks  # noqa: E402
+from forge_ckpt.trainer.ranks import spawn_trainer_ranks  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""forge_ckpt.weights (weights stored once: references to the trainer's version or to the owner
+"""forge_ckpt.actors.weights (weights stored once: references to the trainer's version or to the owner
 component, checked when filled) and rng.derive (distinct streams for added replicas/ranks)."""
 
 from __future__ import annotations
@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from forge_ckpt import CheckpointMismatchError, rng
-from forge_ckpt.immutable import Immutable
-from forge_ckpt.weights import WeightVersions, is_ref
+from forge_ckpt import CheckpointMismatchError
+from forge_ckpt.actors import rng
+from forge_ckpt.actors.immutable import Immutable
+from forge_ckpt.actors.weights import WeightVersions, is_ref
 
 
 def weights(v: float) -> dict[str, torch.Tensor]:

@@ -14,7 +14,8 @@ from apps.grpo.actors import shapes
 from apps.grpo.generator import Generator, replica_for
 from apps.grpo.model import build_model
 from apps.grpo.task import Vocab, encode_prompts, make_letters, prompt_text
-from forge_ckpt import CheckpointConfig, CheckpointCoordinator, layout, serialization
+from forge_ckpt import CheckpointConfig, CheckpointCoordinator, serialization
+from forge_ckpt.steps import layout
 
 TASK = {"alphabet": "abcdefghij", "min_len": 4, "max_len": 24}
 MODEL = {"d_model": 64, "n_layers": 2, "n_heads": 4}

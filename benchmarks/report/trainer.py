@@ -40,7 +40,7 @@ def trainer_analysis(p: dict, ref: dict, targets: dict) -> list[str]:
     else:
         add(
             "No read-back of the DCP files: forge_ckpt's DCP storage writer computes every "
-            "file's crc32c while DCP writes it (`forge_ckpt/dcp_io.py`)."
+            "file's crc32c while DCP writes it (`forge_ckpt/dcp/storage_io.py`)."
         )
     dcp_ratio = series(
         ref["trials"],

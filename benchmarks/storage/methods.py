@@ -17,7 +17,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from forge_ckpt import serialization
-from forge_ckpt.dcp_io import SeamReader, SeamWriter
+from forge_ckpt.dcp.storage_io import SeamReader, SeamWriter
 from forge_ckpt.storage import FileRecord, Storage
 
 from .. import disk

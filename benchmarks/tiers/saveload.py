@@ -31,7 +31,8 @@ from typing import Any
 
 import ray
 
-from forge_ckpt import CheckpointConfig, CheckpointCoordinator, commit
+from forge_ckpt import CheckpointConfig, CheckpointCoordinator
+from forge_ckpt.steps import commit
 
 from .. import disk
 from . import raw

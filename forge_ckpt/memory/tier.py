@@ -14,9 +14,9 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from .. import commit, layout
+from ..coordination.events import CheckpointEvent, Events
 from ..errors import CheckpointCorruptError, CheckpointError
-from ..events import CheckpointEvent, Events
+from ..steps import commit, layout
 from ..storage import FileRecord, Storage, StorageSpec, open_storage
 from .holders import Identity, alive_nodes, incarnation, run_id_of
 from .placement import HolderRef

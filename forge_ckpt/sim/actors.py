@@ -10,7 +10,7 @@ import contextvars
 from collections import deque
 from typing import Any
 
-from ..actor import Checkpointable, StorageSpec
+from ..actors.checkpointable import Checkpointable, StorageSpec
 from .loop import Crash, run_io
 from .world import PROC, Proc, World
 

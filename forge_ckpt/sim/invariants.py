@@ -21,8 +21,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from .. import branch, layout
 from ..errors import CheckpointCorruptError
+from ..steps import branch, layout
 from ..storage import Storage
 
 Identity = tuple[int, float]  # a step and its manifest's creation time

@@ -7,7 +7,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from .. import branch, commit, coordinator, layout, lock
+from ..coordination import coordinator
+from ..steps import branch, commit, layout, lock
 from ..storage.s3 import S3Storage
 
 

@@ -16,11 +16,11 @@ import tempfile
 from dataclasses import dataclass
 from typing import Literal
 
-from .. import layout, lock
 from ..config import CheckpointConfig
-from ..coordinator import CheckpointCoordinator
+from ..coordination.coordinator import CheckpointCoordinator
+from ..coordination.runtime import Runtime
 from ..errors import CheckpointError, CheckpointLockedError
-from ..runtime import Runtime
+from ..steps import layout, lock
 from ..storage import Storage, open_storage
 from .actors import Component, SimActor
 from .invariants import Oracle, Violation

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..layout import MARKER
+from ..steps.layout import MARKER
 from ..storage import SCHEMES, StorageSpec
 from ..storage.local import LocalStorage
 from ..storage.s3 import S3Storage

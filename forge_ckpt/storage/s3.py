@@ -383,7 +383,7 @@ def _quietly(fn: Any, *args: Any) -> None:
 
 def _ours_at_root(key: str) -> bool:
     """A key forge_ckpt writes in a folder at the bucket root: `step-N/...`, `quarantine/...`."""
-    from ..layout import QUARANTINE, parse_step  # the layout imports the storage package
+    from ..steps.layout import QUARANTINE, parse_step  # the layout imports the storage package
 
     top = key.split("/", 1)[0]
     return parse_step(top) is not None or top == QUARANTINE

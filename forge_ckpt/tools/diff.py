@@ -25,11 +25,12 @@ import numpy as np
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 
-from .. import layout, serialization
-from ..dcp_io import METADATA
-from ..export import _assemble, _model_tensors, _read_metadata
-from ..signing import Signer
+from .. import serialization
+from ..dcp.storage_io import METADATA
+from ..steps import layout
+from ..steps.signing import Signer
 from ..storage import FileRecord, Storage
+from .export import _assemble, _model_tensors, _read_metadata
 from .report import finite
 
 UNCHANGED, CHANGED, ADDED, REMOVED = "unchanged", "changed", "added", "removed"

@@ -12,7 +12,7 @@ import json
 import math
 from typing import Any
 
-from .. import layout
+from ..steps import layout
 from ..storage import Storage
 
 SCHEMA_VERSION = 1

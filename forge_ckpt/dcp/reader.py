@@ -28,10 +28,10 @@ import torch
 from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 
+from ..errors import CheckpointCorruptError
+from ..storage import FileRecord
+from ..storage.base import Checksums, check_record, expected_algo, fault
 from . import tensor_blob
-from .errors import CheckpointCorruptError
-from .storage import FileRecord
-from .storage.base import Checksums, check_record, expected_algo, fault
 
 CHUNK = 8 * 1024 * 1024  # hashed while still in the CPU's cache
 SMALL = 256 * 1024  # items up to this size are read whole: one read instead of three

@@ -52,13 +52,15 @@ from torchtitan.components.checkpointer import (
 )
 from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer
 
-from . import layout, rng, serialization
-from .dcp_io import METADATA, SavePlanner, SeamReader, SeamWriter, misfits, verify_local
-from .dcp_metadata import load_metadata
-from .dcp_read import FileIdentity
-from .errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
+from .. import serialization
+from ..actors import rng
+from ..dcp.metadata import load_metadata
+from ..dcp.reader import FileIdentity
+from ..dcp.storage_io import METADATA, SavePlanner, SeamReader, SeamWriter, misfits, verify_local
+from ..errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
+from ..steps import layout
+from ..storage import FileRecord, Storage, StorageSpec, open_storage
 from .staging import SnapshotBuffers
-from .storage import FileRecord, Storage, StorageSpec, open_storage
 
 log = logging.getLogger("forge_ckpt")
 

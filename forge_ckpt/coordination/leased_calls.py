@@ -12,10 +12,10 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from .errors import CheckpointError
-from .lock import CURRENT as CURRENT_LEASE
-from .lock import Lease
-from .storage.base import BEFORE_DELETE
+from ..errors import CheckpointError
+from ..steps.lock import CURRENT as CURRENT_LEASE
+from ..steps.lock import Lease
+from ..storage.base import BEFORE_DELETE
 
 
 class LeasedCalls:

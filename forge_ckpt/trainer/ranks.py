@@ -12,8 +12,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from .storage import StorageSpec
-from .trainer import TrainerCheckpointer
+from ..storage import StorageSpec
+from .checkpointer import TrainerCheckpointer
 
 
 class TrainerMixin:

@@ -27,8 +27,8 @@ from typing import Any
 
 import torch
 
-from .errors import CheckpointError
-from .storage import Storage, open_storage
+from ..errors import CheckpointError
+from ..storage import Storage, open_storage
 
 Shapes = dict[str, tuple[tuple[int, ...], torch.dtype]]
 # What a HF assets folder (config.json and tokenizer) holds besides weights: copied by

@@ -15,7 +15,7 @@ import traceback
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from .errors import CheckpointError, CheckpointSaveError
+from ..errors import CheckpointError, CheckpointSaveError
 
 log = logging.getLogger("forge_ckpt")
 

@@ -20,7 +20,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from .errors import CheckpointSignatureError
+from ..errors import CheckpointSignatureError
 
 SCHEME = "hmac-sha256"
 

@@ -45,10 +45,10 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+from ..errors import CheckpointLockedError
+from ..storage import AlreadyExistsError, PreconditionFailedError, Storage
 from . import layout
-from .errors import CheckpointLockedError
 from .layout import LEASE
-from .storage import AlreadyExistsError, PreconditionFailedError, Storage
 
 log = logging.getLogger("forge_ckpt")
 _LEASES: weakref.WeakSet[Lease] = weakref.WeakSet()  # acquired by this process, not released

@@ -36,12 +36,12 @@ from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
 
+from ..errors import CheckpointCorruptError, CheckpointError, CheckpointLockedError
+from ..storage import FileRecord, Storage, StorageError, crc32c_of_bytes, open_storage
+from ..storage.base import Checksums, check_record, expected_algo
 from . import branch, commit, layout
-from .errors import CheckpointCorruptError, CheckpointError, CheckpointLockedError
 from .lock import Lease
 from .signing import Signer
-from .storage import FileRecord, Storage, StorageError, crc32c_of_bytes, open_storage
-from .storage.base import Checksums, check_record, expected_algo
 
 log = logging.getLogger("forge_ckpt")
 CHUNK = 16 * 1024 * 1024  # bytes held per file in flight: memory is about workers x this

@@ -14,16 +14,17 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from . import branch, commit, components, layout
+from ..config import CheckpointConfig
+from ..errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
+from ..memory.choose import TIER
+from ..memory.choose import candidates as load_candidates
+from ..memory.tier import MemoryTier
+from ..steps import branch, commit, layout
+from ..steps.signing import Signer
+from ..storage import Storage
+from . import components
 from .components import Group
-from .config import CheckpointConfig
-from .errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
-from .memory.choose import TIER
-from .memory.choose import candidates as load_candidates
-from .memory.tier import MemoryTier
 from .results import LoadResult
-from .signing import Signer
-from .storage import Storage
 from .timeline import Timeline
 from .unit_calls import Newest, run_all
 

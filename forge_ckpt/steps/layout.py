@@ -29,9 +29,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import CheckpointCorruptError, InvalidNameError
+from ..errors import CheckpointCorruptError, InvalidNameError
+from ..storage import FileRecord, Storage, crc32c_of_bytes, join, open_storage
 from .signing import Signer
-from .storage import FileRecord, Storage, crc32c_of_bytes, join, open_storage
 
 FORMAT_VERSION = 2  # 2: lease generation in manifest and marker (1 is still read)
 READABLE_VERSIONS = (1, 2)

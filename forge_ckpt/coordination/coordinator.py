@@ -19,24 +19,23 @@ from typing import Any
 
 import torch
 
-from . import __version__, branch, commit, layout, unit_calls
+from .. import __version__
+from ..actors.reshard import ReshardRule
+from ..config import CheckpointConfig
+from ..errors import CheckpointError, CheckpointSaveError
+from ..memory.choose import TIER
+from ..memory.tier import open_tier
+from ..steps import branch, commit, layout
+from ..steps.lock import Lease
+from ..storage import Storage, StorageSpec, open_storage
+from . import unit_calls
 from .components import Group, Unit, actor_group, trainer_group
-from .config import CheckpointConfig
-from .errors import (
-    CheckpointError,
-    CheckpointSaveError,
-)
 from .events import Events
 from .leased_calls import LeasedCalls
 from .loader import Loader
-from .lock import Lease
-from .memory.choose import TIER
-from .memory.tier import open_tier
 from .remote_errors import describe, save_error
-from .reshard import ReshardRule
 from .results import LoadResult, SaveResult
 from .runtime import DEFAULT, Runtime
-from .storage import Storage, StorageSpec, open_storage
 from .timeline import Timeline
 
 log = logging.getLogger("forge_ckpt")
@@ -111,7 +110,7 @@ class CheckpointCoordinator:
 
         `replace=True` swaps in a restarted actor under a name already registered. `reshard`
         turns N saved replica states into as many as registered now (else the actor class's
-        `reshard_states`, if any; see forge_ckpt.reshard); `optional=True` lets a checkpoint
+        `reshard_states`, if any; see forge_ckpt.actors.reshard); `optional=True` lets a checkpoint
         without this component load, the actor keeping its fresh state."""
         layout.check_name(name)
         if name in self._groups and not replace:

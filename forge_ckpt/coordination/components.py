@@ -23,12 +23,14 @@ from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Any
 
-from . import layout, rng, serialization
-from .actor import wrap_state
-from .errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
+from .. import serialization
+from ..actors import rng
+from ..actors.checkpointable import wrap_state
+from ..actors.reshard import ReshardRule
+from ..errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
+from ..steps import layout
+from ..storage import FileRecord, StorageSpec, open_storage
 from .remote_errors import describe, full_text, is_lost, unwrap
-from .reshard import ReshardRule
-from .storage import FileRecord, StorageSpec, open_storage
 
 log = logging.getLogger("forge_ckpt")
 PROTOCOL_METHOD = "forge_begin_save"
@@ -234,7 +236,7 @@ class Group:
         return [
             f"{self.changed(saved)}. No resharding rule: pass register({self.name!r}, actors, "
             f"reshard=rule) or give the actor class a static method {RESHARD_HOOK}(states, "
-            "replicas); forge_ckpt.reshard has ready-made rules"
+            "replicas); forge_ckpt.actors.reshard has ready-made rules"
         ]
 
     async def plan(

@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from .errors import CheckpointMismatchError
+from ..errors import CheckpointMismatchError
 from .immutable import immutable
 
 Weights = Mapping[str, Any]  # parameter name -> tensor (never changed in place once put)

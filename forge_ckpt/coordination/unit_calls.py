@@ -12,11 +12,11 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
 
+from ..config import CheckpointConfig
+from ..storage import FileRecord
 from .components import Unit
-from .config import CheckpointConfig
 from .remote_errors import gather_units, save_error
 from .results import SaveResult
-from .storage import FileRecord
 
 log = logging.getLogger("forge_ckpt")
 

@@ -2,7 +2,7 @@
 
 Every save (`CheckpointCoordinator.save`, whatever its mode; in async modes when its
 background part ends), every persist of a memory step to the durable folder, and every load
-emits one `CheckpointEvent`: through the Python logger `forge_ckpt.events` (INFO; the
+emits one `CheckpointEvent`: through the Python logger `forge_ckpt.coordination.events` (INFO; the
 message is the record as one JSON object, also in the log record's `event` attribute) and to
 `CheckpointConfig.on_event`, a callable given in code (never from YAML). A callback that
 raises is logged and ignored: dashboards never fail a save.
@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
-log = logging.getLogger("forge_ckpt.events")
+log = logging.getLogger("forge_ckpt.coordination.events")
 
 Kind = Literal["save", "persist", "load"]
 # committed: the step is committed (save, persist); loaded; failed (`error` says why);

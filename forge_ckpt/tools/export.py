@@ -43,14 +43,14 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from . import layout
-from .dcp_io import METADATA
-from .dcp_metadata import load_metadata
-from .errors import CheckpointCorruptError, CheckpointError
+from ..dcp.metadata import load_metadata
+from ..dcp.storage_io import METADATA
+from ..errors import CheckpointCorruptError, CheckpointError
+from ..steps import layout
+from ..steps.signing import Signer
+from ..storage import FileRecord, Storage
+from ..storage.base import CHUNK, Checksums, check_record, expected_algo
 from .hf import HFModel, Shapes, asset_names, copy_assets, resolve
-from .signing import Signer
-from .storage import FileRecord, Storage
-from .storage.base import CHUNK, Checksums, check_record, expected_algo
 
 INDEX = "model.safetensors.index.json"
 _SHARD_NAME = "model-{:05d}-of-{:05d}.safetensors"

@@ -26,11 +26,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ..errors import CheckpointLockedError, CheckpointSaveError
+from ..storage import AlreadyExistsError, Storage, crc32c_of_bytes
 from . import layout
-from .errors import CheckpointLockedError, CheckpointSaveError
 from .lock import Lease, lease_of
 from .signing import Signer
-from .storage import AlreadyExistsError, Storage, crc32c_of_bytes
 
 log = logging.getLogger("forge_ckpt")
 
@@ -76,7 +76,7 @@ def commit_step(
 
 
 def commit_copy(store: Storage, step: int, data: bytes, signature: str | None) -> None:
-    """Commit a step whose files were copied in from another folder (forge_ckpt.transfer):
+    """Commit a step whose files were copied in from another folder (forge_ckpt.steps.transfer):
     its manifest byte for byte (so the signature of it, carried over, stays valid), then a
     COMMIT naming this writer's lease generation, then the record. Only under a lease."""
     lease = _writer(store, f"commit the copy of step {step}")

@@ -40,7 +40,10 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.futures import Future
 
-from .dcp_read import (
+from ..errors import CheckpointCorruptError
+from ..storage import FileRecord, Storage
+from ..storage.base import check_record
+from .reader import (
     Blob,
     FileIdentity,
     FileJob,
@@ -50,9 +53,6 @@ from .dcp_read import (
     identity,
     read_plan,
 )
-from .errors import CheckpointCorruptError
-from .storage import FileRecord, Storage
-from .storage.base import check_record
 
 METADATA = ".metadata"
 MISFITS_SHOWN = 12  # a changed model can differ in hundreds of tensors: name the first ones
@@ -275,7 +275,7 @@ class SeamReader(FileSystemReader):
         super().reset(None)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        from .dcp_metadata import load_metadata
+        from .metadata import load_metadata
 
         if kwargs.get("rank") is not None:
             raise CheckpointCorruptError(

@@ -14,10 +14,10 @@ back: the abort does at once, the next start otherwise.
 
 from __future__ import annotations
 
+from ..errors import CheckpointCorruptError
+from ..storage import Storage
 from . import commit, layout
-from .errors import CheckpointCorruptError
 from .lock import Lease
-from .storage import Storage
 
 
 def live_steps(store: Storage) -> list[int]:

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import logging
 
-from . import branch, commit, layout
-from .config import CheckpointConfig
-from .errors import CheckpointSaveError
-from .storage import Storage
+from ..config import CheckpointConfig
+from ..errors import CheckpointSaveError
+from ..steps import branch, commit, layout
+from ..storage import Storage
 
 log = logging.getLogger("forge_ckpt")
 

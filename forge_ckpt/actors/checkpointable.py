@@ -2,7 +2,7 @@
 
 The actor writes its own file straight into the step folder, so large state (a replay buffer)
 never funnels through the driver and all actors write in parallel. The saved state is the
-user's `state_dict()` plus every RNG stream of the actor process (`forge_ckpt.rng`).
+user's `state_dict()` plus every RNG stream of the actor process (`forge_ckpt.actors.rng`).
 
 Save is two-phase so that a save can run in the background: `forge_begin_save` takes the
 snapshot (an in-memory copy: the consistent cut) and, in sync mode, also writes it and
@@ -27,9 +27,10 @@ import posixpath
 import threading
 from typing import TYPE_CHECKING, Any
 
-from . import rng, serialization
-from .errors import CheckpointError, CheckpointMismatchError
-from .storage import FileRecord, Storage, StorageSpec, open_storage
+from .. import serialization
+from ..errors import CheckpointError, CheckpointMismatchError
+from ..storage import FileRecord, Storage, StorageSpec, open_storage
+from . import rng
 
 STATE_FORMAT = 1
 
