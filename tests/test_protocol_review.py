@@ -362,3 +362,86 @@ async def test_two_lease_writes_of_unknown_outcome_are_still_ours(tmp_path, monk
     comp.version = 0
     assert (await a.load()).step == 2 and comp.version == 102
     a.close()
+
+
+async def test_a_cancelled_set_aside_is_put_back_by_the_next_load(tmp_path):
+    """Break (review3 claim 10, sim seed 20990): after load(step=1), save(2) was cancelled
+    while it set step 2 of the abandoned branch aside; nothing put it back, and committed
+    step 2 could not be loaded for the rest of the session (I2). The next load waits for the
+    cancelled call's thread and puts the step back first."""
+    a = job(tmp_path, Clock(), "host-a", keep_last=None)
+    a.register("c0", Handle(comp := Comp()))
+    await _save_steps(a, comp, (1, 2, 3), 100)
+    assert (await a.load(step=1)).step == 1
+    move = hold("move_prefix", "step-2")
+    saving = asyncio.ensure_future(a.save(2))
+    await move.reached()
+    saving.cancel()  # a caller's deadline; the move goes on in its thread
+    move.go.set()
+    with pytest.raises(asyncio.CancelledError):
+        await saving
+    assert (await a.load(step=2)).step == 2 and comp.version == 102
+    assert a.steps() == [1, 2, 3]
+    a.close()
+
+
+async def test_a_step_set_aside_by_a_cancelled_save_is_abandoned_by_the_next_branch(tmp_path):
+    """Break (review3 claim 5, sim seed 40389 with FORGE_SIM_CANCEL_SAVES=0.4): load(step=2),
+    save(3) cancelled while step 3 was set aside; load(step=1) did not see step 3, so the new
+    branch from 1 did not abandon it, and the next start put it back as the newest step (I2)."""
+    clock = Clock()
+    a = job(tmp_path, clock, "host-a", keep_last=None)
+    a.register("c0", Handle(comp := Comp()))
+    await _save_steps(a, comp, (1, 2, 3), 100)
+    assert (await a.load(step=2)).step == 2
+    move = hold("move_prefix", "step-3")
+    saving = asyncio.ensure_future(a.save(3))
+    await move.reached()
+    saving.cancel()
+    move.go.set()
+    with pytest.raises(asyncio.CancelledError):
+        await saving
+    assert (await a.load(step=1)).step == 1  # roll back further: 2 and 3 are abandoned
+    comp.version = 202
+    assert (await a.save(2)).committed
+    a.close()
+    b = job(tmp_path, clock, "host-a", keep_last=None)  # the next start
+    b.register("c0", Handle(again := Comp()))
+    assert (await b.load()).step == 2 and again.version == 202 and b.steps() == [1, 2]
+    b.close()
+
+
+class HeldApply(Comp):
+    """Applies only once `go` is set (a load_state_dict behind other work of its actor)."""
+
+    def __init__(self, version: int, go: threading.Event) -> None:
+        super().__init__(version)
+        self.go = go
+
+    def load_state_dict(self, state: dict) -> None:
+        assert self.go.wait(WAIT_S)
+        super().load_state_dict(state)
+
+
+class FailApply(Comp):
+    def load_state_dict(self, state: dict) -> None:
+        raise RuntimeError("load_state_dict failed (test)")
+
+
+async def test_a_component_with_a_late_replica_is_reported_unknown_not_unapplied(tmp_path):
+    """Break (review3 claim 12, I4): one replica timed out (it applies later) and one raised;
+    the error called the component "not applied", and the late replica then applied."""
+    a = job(tmp_path, Clock(), "host-a", keep_last=None, load_timeout_s=1.0)
+    a.register("c", [Handle(Comp(11)), Handle(Comp(12))])
+    assert (await a.save(1)).committed
+    go = threading.Event()
+    slow = HeldApply(0, go)  # never answers before the error: it waits for `go`
+    a.register("c", [Handle(slow), Handle(FailApply(0))], replace=True)
+    try:
+        with pytest.raises(CheckpointError) as info:
+            await a.load()
+        assert info.value.unknown == ["c"] and info.value.not_applied == []  # type: ignore[attr-defined]
+        assert "unknown: c" in str(info.value)
+    finally:
+        go.set()
+        a.close()

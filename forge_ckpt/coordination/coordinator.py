@@ -76,6 +76,8 @@ class CheckpointCoordinator:
             raise
         self._groups: dict[str, Group] = {}
         self._pending: asyncio.Task | None = None
+        self._op = asyncio.Lock()  # one save or load at a time (a load changes the branch)
+        self._running: set[asyncio.Future] = set()  # storage calls in their threads
         self._commit_lock = runtime.lock()  # one commit at a time (a save's, a persist's)
         self._events = Events(config.on_event)  # one record per save and load (events.py)
         self.tier = open_tier(config, self._lease.release, self.store)  # None: no memory tier
@@ -87,8 +89,21 @@ class CheckpointCoordinator:
                               self._groups, self._io, self._newest)  # fmt: skip
 
     async def _io(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """A blocking storage call, off the event loop, under this coordinator's lease."""
-        return await self._rt.to_thread(self._under_lease, fn, *args)
+        """A blocking storage call, off the event loop, under this coordinator's lease. A
+        thread cannot be stopped: when its caller is cancelled the call runs to its end, and
+        the next save or load waits for it first (`_quiesce`)."""
+        call = asyncio.ensure_future(self._rt.to_thread(self._under_lease, fn, *args))
+        self._running.add(call)
+        call.add_done_callback(_forget_call(self._running))
+        return await asyncio.shield(call)
+
+    async def _quiesce(self) -> None:
+        """Before a save or a load: the storage calls of a cancelled one have ended, and a
+        set-aside it left behind (a rollback's save cancelled mid-move) is put back."""
+        while self._running:
+            await asyncio.wait(set(self._running))
+        if self._timeline.aside:
+            await self._put_back()
 
     # ---- registration -------------------------------------------------------------------
 
@@ -137,7 +152,8 @@ class CheckpointCoordinator:
         Emits one `CheckpointEvent` (async modes: when the background part ends)."""
         started, tier = time.perf_counter(), TIER[self.tier is not None]
         try:
-            result = await self._save(step, extra, durable=durable)
+            async with self._op:
+                result = await self._save(step, extra, durable=durable)
         except BaseException as e:
             self._events.failed("save", step, tier, started, e)
             raise
@@ -154,7 +170,10 @@ class CheckpointCoordinator:
         """The save itself; `save` emits its event."""
         await self.wait(persisting=False)
         self._calls.check_open()
-        store, spec = self._target(self.tier is not None)
+        await self._quiesce()
+        # A new branch's first step goes to the durable folder, whose manifests record what
+        # it abandons (in both tiers): a memory step can record nothing that outlives it.
+        store, spec = self._target(self.tier is not None and self._timeline.branch_from is None)
         where = spec.child(layout.step_name(step))
         mode = self.config.async_mode
         background = defer = mode != "sync"  # a config's "async" is mapped to "deferred"
@@ -257,9 +276,8 @@ class CheckpointCoordinator:
         log.info(
             "committed step %d: %.1f MB in %.2fs", result.step, result.nbytes / 1e6, result.total_s
         )
-        branch_from = self._timeline.branch_from
-        if branch_from is not None and self.tier is not None:
-            await self._retire_memory(branch_from, result.step)
+        if self._timeline.branch_from is not None and self.tier is not None:
+            await self._retire_memory()
         self._timeline.branch_committed()
         if abandons:  # the abandoned one goes now
             try:
@@ -274,13 +292,14 @@ class CheckpointCoordinator:
             await self._retention()
         return result
 
-    async def _retire_memory(self, branch_from: int, new: int) -> None:
-        """The memory steps of the abandoned branch go once the new branch has committed."""
+    async def _retire_memory(self) -> None:
+        """Remove the memory steps that a committed durable step of a newer branch abandoned
+        (after that branch's first commit, and before each load: a driver may have died in
+        between). Loads skip them meanwhile."""
         assert self.tier is not None
         try:
-            for s in await self._io(layout.all_steps, self.tier.store):
-                if s > branch_from and s != new:
-                    await self._io(commit.remove_step, self.tier.store, s)
+            for s in await self._io(branch.abandoned_copies, self.store, self.tier.store):
+                await self._io(commit.remove_step, self.tier.store, s)
         except OSError as e:
             log.warning("could not yet remove the abandoned branch's memory steps: %s", e)
 
@@ -355,7 +374,8 @@ class CheckpointCoordinator:
     async def _put_back(self) -> None:
         try:
             await self._io(branch.put_back, self.store, self._lease)
-        except (OSError, CheckpointError) as e:  # the next start puts it back
+            self._timeline.aside = False
+        except (OSError, CheckpointError) as e:  # the next save, load or start puts it back
             log.warning("could not put a set-aside step back yet: %s", e)
 
     async def wait(self, persisting: bool = True) -> SaveResult | None:
@@ -375,10 +395,11 @@ class CheckpointCoordinator:
         return self._timeline.steps()
 
     def _newest(self) -> int | None | OSError:
-        """The newest committed step for error messages (the error if it cannot be listed)."""
+        """The newest committed step of either tier, for error messages (the error if they
+        cannot be listed)."""
         try:
-            steps = self.steps()
-            return steps[-1] if steps else None
+            steps = self.steps() + (self.tier.steps() if self.tier is not None else [])
+            return max(steps, default=None)
         except OSError as e:
             return e
 
@@ -393,7 +414,8 @@ class CheckpointCoordinator:
         Emits one `CheckpointEvent`."""
         started = time.perf_counter()
         try:
-            loaded = await self._load(step, exclude, allow_mismatch)
+            async with self._op:
+                loaded = await self._load(step, exclude, allow_mismatch)
         except BaseException as e:
             self._events.failed("load", step, "durable" if self.tier is None else "?", started, e)
             raise
@@ -406,8 +428,10 @@ class CheckpointCoordinator:
         """The load itself; `load` emits its event."""
         await self._settle()
         self._calls.check_open()
+        await self._quiesce()
         self._timeline.forget()
         if self.tier is not None:
+            await self._retire_memory()
             self.tier.relist()
         return await self._loader.load(step, set(exclude), allow_mismatch)
 
@@ -488,6 +512,18 @@ def _log_background_failure(task: asyncio.Task) -> None:
             "background save failed (raised again by the next save() or wait()): %s",
             task.exception(),
         )
+
+
+def _forget_call(running: set[asyncio.Future]) -> Callable[[asyncio.Future], None]:
+    """A finished storage call leaves `running`; its error, if nobody awaits it any more
+    (its caller was cancelled), is retrieved so that asyncio does not report it."""
+
+    def done(call: asyncio.Future) -> None:
+        running.discard(call)
+        if not call.cancelled():
+            call.exception()
+
+    return done
 
 
 def _may_abort(committing: bool, e: BaseException) -> bool:

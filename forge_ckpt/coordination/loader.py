@@ -57,7 +57,7 @@ class Loader:
     ) -> LoadResult | None:
         """Load `step` (None: the newest committed whole step of either tier)."""
         marked = await self.io(self.timeline.loadable)
-        mem = await self.io(self.tier.steps) if self.tier is not None else []
+        mem = await self.io(self._memory_steps) if self.tier is not None else []
         if step is not None and step not in marked and step not in mem:
             raise CheckpointError(
                 f"step {step} is not a committed step in {self.config.folder}; "
@@ -68,7 +68,7 @@ class Loader:
         # Read before anything is applied (a load is all or nothing): what a rollback to the
         # step loaded would abandon.
         oldest = min((c for _, c in candidates), default=None)
-        newer = [] if oldest is None else await self.io(branch.abandoned_by, self.store, oldest)
+        newer = [] if oldest is None else await self.io(self._newer_than, oldest)
         for n, (in_mem, candidate) in enumerate(candidates):
             try:
                 loaded = await self.load_step(candidate, exclude, allow_mismatch, in_mem)
@@ -86,6 +86,19 @@ class Loader:
             self.timeline.branch_at(loaded.step, max([*marked, *mem], default=None), newer)
             return loaded
         return None
+
+    def _memory_steps(self) -> list[int]:
+        """Memory steps, less those a committed durable step of a newer branch abandoned."""
+        assert self.tier is not None
+        gone = branch.abandoned_copies(self.store, self.tier.store)
+        return [s for s in self.tier.steps() if s not in gone]
+
+    def _newer_than(self, step: int) -> list[tuple[int, float]]:
+        """What a rollback to `step` abandons: every newer step with a marker, both tiers."""
+        newer = branch.abandoned_by(self.store, step)
+        if self.tier is not None:
+            newer += branch.abandoned_by(self.tier.store, step)
+        return sorted(set(newer))
 
     async def load_step(
         self, step: int, exclude: set[str], allow_mismatch: bool, in_mem: bool = False

@@ -27,7 +27,8 @@ class Timeline:
     def __init__(self, store: Storage, config: CheckpointConfig, memory: Storage | None) -> None:
         self.store, self.config, self.memory = store, config, memory
         self.branch_from: int | None = None  # set by a load of an older step (rollback)
-        self.abandons: Abandoned = []  # what that load found newer
+        self.abandons: Abandoned = []  # what that load found newer (in either tier)
+        self.aside = False  # a step was set aside and may need putting back (branch.py)
         # store url -> a step no newer than which anything is committed there (the job is
         # the only writer): a save of a newer step skips listing the steps before its cut.
         self._newest_seen: dict[str, int] = {}
@@ -44,13 +45,13 @@ class Timeline:
             # What the rollback saw, not what is there now: a step of this new branch whose
             # commit's outcome was unknown is newer than the branch point too.
             abandons = list(self.abandons)
-            old = [t for s, t in abandons if s == step]
-            if old and branch.is_present(self.store, step, old[0]):
+            old = {t for s, t in abandons if s == step}  # a durable copy, a memory one
+            if any(branch.is_present(self.store, step, t) for t in old):
                 log.warning("rollback: setting step %d of the abandoned branch aside", step)
+                self.aside = True
                 branch.set_aside(self.store, step)
-            if self.memory is not None and layout.all_steps(self.memory).count(step):
-                commit.remove_step(self.memory, step)  # its number; the rest stay till the
-            return abandons  # commit: they may be the only copies (durable_every > 1)
+            return abandons  # the abandoned memory steps stay till the commit: they may be
+            # the only copies (durable_every > 1)
         if step > self._newest_seen.get(store.url, step):
             return []
         stores = [store] if store is self.store else [store, self.store]
@@ -93,7 +94,7 @@ class Timeline:
 
     def branch_committed(self) -> None:
         """The new branch committed its first step: steps go by number again."""
-        self.branch_from, self.abandons = None, []
+        self.branch_from, self.abandons, self.aside = None, [], False
 
     def apply_retention(self) -> list[int]:
         """Retention counts live steps only: an abandoned step not yet removed (its removal

@@ -16,7 +16,7 @@ from typing import Any
 
 from ..coordination.events import CheckpointEvent, Events
 from ..errors import CheckpointCorruptError, CheckpointError
-from ..steps import commit, layout
+from ..steps import branch, commit, layout
 from ..storage import FileRecord, Storage, StorageSpec, open_storage
 from .holders import Identity, alive_nodes, incarnation, run_id_of
 from .placement import HolderRef
@@ -275,8 +275,10 @@ class MemoryTier:
         happens: it may have committed (a cancelled task's thread goes on), and a step
         without COMMIT is removed by the next start (or the next persist of that step)."""
         step, name = manifest.step, layout.step_name(manifest.step)
-        if step in await self.io(layout.committed_steps, durable):
+        if step in await self.io(branch.live_steps, durable):
             return False
+        if step in await self.io(branch.superseded, durable):  # an abandoned one: its
+            await self.io(commit.remove_step, durable, step)  # number is free
         await self.io(commit.prepare_step, durable, step)
         try:
             written = await self._holders_write(manifest, durable_spec.child(name))

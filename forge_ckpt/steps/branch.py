@@ -36,6 +36,26 @@ def superseded(store: Storage, found: dict[int, layout.Manifest] | None = None) 
     return {s for s, m in found.items() if (s, m.created) in replaced}
 
 
+def abandoned_copies(store: Storage, memory: Storage) -> list[int]:
+    """The steps of `memory` (the memory tier) that a committed step of `store` (the durable
+    folder) abandoned. A rollback's new branch names what it abandons in both tiers, and its
+    first step is durable: only the durable folder's manifests outlive the driver."""
+    replaced = {pair for m in _committed(store).values() for pair in m.supersedes}
+    numbers = {s for s, _ in replaced}
+    out = []
+    anyone = layout.Fence()
+    for step in layout.all_steps(memory) if replaced else []:
+        if step not in numbers:
+            continue
+        try:
+            created = layout.read_committed(memory, step, fence=anyone).created
+        except (CheckpointCorruptError, FileNotFoundError):
+            continue  # no marker, or a damaged one: never loadable
+        if (step, created) in replaced:
+            out.append(step)
+    return out
+
+
 def _committed(store: Storage) -> dict[int, layout.Manifest]:
     """Every committed step's manifest, ascending, in one pass (the lease's record read
     once). A damaged step is left out: load reports it; it never drops another step."""

@@ -1,0 +1,165 @@
+"""The memory tier meets a rollback (`load(step=K)` with newer steps): a review found five ways
+to lose a committed step or resume the abandoned branch (review3, claims 1, 2, 7, 8, 9). The
+rule now: the first step of a new branch is saved to the durable folder (whatever `durable`
+says), its manifest names every step it abandons in both tiers, abandoned memory steps are
+removed once it has committed and skipped by every load meanwhile, and one coordinator runs
+one save or load at a time.
+
+One node's local Ray; holders keep one copy (`memory_copies=1`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import numpy as np
+import pytest
+import ray
+
+from forge_ckpt import Checkpointable, CheckpointConfig, CheckpointCoordinator, CheckpointSaveError
+from forge_ckpt.steps import layout
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+
+@ray.remote(num_cpus=0)
+class Counter(Checkpointable):
+    def __init__(self) -> None:
+        self.n, self.fail = 0, False
+
+    def set(self, n: int, fail: bool = False) -> None:
+        self.n, self.fail = n, fail
+
+    def get(self) -> int:
+        return self.n
+
+    def state_dict(self) -> dict:
+        if self.fail:
+            raise RuntimeError("snapshot failed (test)")
+        return {"n": self.n, "pad": np.zeros(10, dtype=np.float32)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.n = int(state["n"])
+
+
+@pytest.fixture(scope="module")
+def counter(ray_local):
+    return Counter.remote()
+
+
+def config(folder: str, durable_every: int, memory_keep: int = 3) -> CheckpointConfig:
+    return CheckpointConfig(folder=folder, memory_every=1, durable_every=durable_every,
+                            memory_copies=1, memory_keep=memory_keep)  # fmt: skip
+
+
+async def saved(coord: CheckpointCoordinator, counter, steps, **kw) -> None:
+    for step in steps:
+        await counter.set.remote(step)
+        await coord.save(step, **kw)
+
+
+class Crash(BaseException):
+    """The driver dies here."""
+
+
+async def test_a_branch_that_starts_memory_only_is_durable_and_never_resumes_the_old_one(
+    counter, tmp_path
+):
+    """Claims 1 and 2: a branch's first save with durable=False left no durable record of
+    the abandonment; the old durable step 5 was loaded, and the new step 5 (durable=True)
+    was never persisted ('already committed')."""
+    folder = str(tmp_path / "ckpt")
+    coord = CheckpointCoordinator(config(folder, durable_every=1, memory_keep=2))
+    coord.register("counter", counter)
+    await saved(coord, counter, range(1, 6))
+    await coord.wait()
+    assert (await coord.load(step=3)).step == 3
+    await counter.set.remote(400)
+    first = await coord.save(4, durable=False)
+    assert first.path.startswith(folder) and coord.steps() == [3, 4]  # durable; 5 retired
+    assert all(s <= 3 for s in coord.tier.steps())  # the old branch's memory steps: gone
+    assert (await coord.load()).step == 4 and await counter.get.remote() == 400
+    await counter.set.remote(500)
+    await coord.save(5, durable=True)
+    await coord.aclose()
+    durable_only = CheckpointCoordinator(CheckpointConfig(folder=folder))
+    durable_only.register("counter", counter)
+    assert (await durable_only.load()).step == 5 and await counter.get.remote() == 500
+    durable_only.close()
+
+
+async def test_a_driver_dead_before_removing_the_old_memory_steps_resumes_the_new_branch(
+    counter, tmp_path
+):
+    """Claim 7: the driver died between the new branch's commit and the removal of the
+    abandoned memory steps; the next driver loaded the abandoned memory step 5."""
+    folder = str(tmp_path / "ckpt")
+    a = CheckpointCoordinator(config(folder, durable_every=100))
+    a.register("counter", counter)
+    await saved(a, counter, range(1, 6))  # memory only: durable_every=100
+    assert (await a.load(step=3)).step == 3
+    await counter.set.remote(400)
+
+    async def die() -> None:
+        raise Crash("driver killed after the new branch's commit")
+
+    a._retire_memory = die  # type: ignore[method-assign]
+    with pytest.raises(Crash):
+        await a.save(4)
+    a._lease.release()  # the dead driver's lease expires; its holders live on
+    b = CheckpointCoordinator(config(folder, durable_every=100))
+    b.register("counter", counter)
+    assert b.tier.steps() == [3, 4, 5] and b.steps() == [4]
+    loaded = await b.load()
+    assert (loaded.step, loaded.tier, await counter.get.remote()) == (4, "durable", 400)
+    assert b.tier.steps() == [3]  # the abandoned ones were removed before the load chose
+    b.close()
+
+
+async def test_a_failed_first_save_of_a_branch_loses_no_memory_step(counter, tmp_path):
+    """Claim 8: the branch's first save removed the old memory step 4 (its only copy) before
+    the save failed, and the error said that nothing was ever committed."""
+    folder = str(tmp_path / "ckpt")
+    coord = CheckpointCoordinator(config(folder, durable_every=100))
+    coord.register("counter", counter)
+    await saved(coord, counter, range(1, 6))
+    assert (await coord.load(step=3)).step == 3
+    await counter.set.remote(400, True)  # its snapshot raises
+    with pytest.raises(CheckpointSaveError, match="step 5 is still the newest") as e:
+        await coord.save(4)
+    assert "no committed step" not in str(e.value)
+    assert coord.tier.steps() == [3, 4, 5] and coord.steps() == []
+    await counter.set.remote(5)
+    assert (await coord.load()).step == 5  # the load is no rollback: the old branch stays
+    coord.close()
+
+
+async def test_a_load_during_a_save_waits_for_it(counter, tmp_path):
+    """Claim 9: load(step=2) ran while save(5) was committing; the rollback point it set
+    made save(5) remove memory steps 3 and 4, which no committed branch had abandoned."""
+    folder = str(tmp_path / "ckpt")
+    coord = CheckpointCoordinator(config(folder, durable_every=100, memory_keep=4))
+    coord.register("counter", counter)
+    await saved(coord, counter, range(1, 5))
+    entered, go = threading.Event(), threading.Event()
+    real = coord._commit
+
+    def held_commit(manifest, store=None):  # the commit's thread waits here
+        entered.set()
+        assert go.wait(120)
+        return real(manifest, store)
+
+    coord._commit = held_commit  # type: ignore[method-assign]
+    await counter.set.remote(5)
+    saving = asyncio.ensure_future(coord.save(5))
+    assert await asyncio.to_thread(entered.wait, 120)
+    loading = asyncio.ensure_future(coord.load(step=2))
+    for _ in range(20):  # let the load run as far as it can: it waits for the save
+        await asyncio.sleep(0)
+    assert not loading.done()
+    go.set()
+    assert (await saving).committed and (await loading).step == 2
+    assert coord.tier.steps() == [2, 3, 4, 5]  # memory_keep=4: nothing else removed
+    assert layout.read_committed(coord.tier.store, 5).supersedes == []
+    coord.close()
