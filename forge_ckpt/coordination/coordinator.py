@@ -308,7 +308,7 @@ class CheckpointCoordinator:
         step is committed); the next save tries again."""
         try:
             removed = await self._io(self._timeline.apply_retention)
-        except OSError as e:
+        except (OSError, CheckpointError) as e:  # e.g. the lease, lost since the commit
             self._timeline.forget(self.store)  # abandoned steps may be left
             log.warning("retention could not run (the next save tries again): %s", e)
             return
@@ -482,8 +482,8 @@ class CheckpointCoordinator:
         try:
             for step in layout.all_steps(self.store):
                 self._under_lease(commit.remove_step, self.store, step)
-            self.store.delete_prefix(layout.QUARANTINE)
-            self.store.delete_prefix(branch.ASIDE)
+            self._under_lease(self.store.delete_prefix, layout.QUARANTINE)
+            self._under_lease(self.store.delete_prefix, branch.ASIDE)
             if self.tier is not None:
                 self.tier.wipe()
         finally:

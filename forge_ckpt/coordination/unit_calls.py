@@ -30,12 +30,15 @@ async def run_all(
     phase: str,
     config: CheckpointConfig,
     newest: Newest,
+    left_s: float | None = None,
 ) -> list:
-    """Await one call per unit, bounded by the phase's timeout setting; any failure becomes
-    one error naming every failed unit (and the setting, for a timeout)."""
+    """Await one call per unit, bounded by the phase's timeout setting (or the `left_s` of
+    it that a longer wait has left); any failure becomes one error naming every failed unit
+    (and the setting, for a timeout)."""
     knob = "load_timeout_s" if phase == "load" else "save_timeout_s"
+    limit = getattr(config, knob) if left_s is None else max(left_s, 0.0)
     labels = [u.label for u in units]
-    return await gather_units(labels, calls, (getattr(config, knob), knob), phase, step, newest)
+    return await gather_units(labels, calls, (limit, knob), phase, step, newest)
 
 
 async def poll_written(
@@ -50,7 +53,8 @@ async def poll_written(
     while len(records) < len(units):
         waiting = [u for u in units if (u.name, u.index) not in records]
         calls = [u.status() for u in waiting]
-        done = await run_all(waiting, calls, result.step, "write", config, newest)
+        left = deadline - loop.time()  # one bound for the whole wait, not one per round
+        done = await run_all(waiting, calls, result.step, "write", config, newest, left)
         for u, recs in zip(waiting, done, strict=True):
             if recs is not None:
                 records[(u.name, u.index)] = recs
