@@ -78,7 +78,9 @@ class CheckpointCoordinator:
         self._pending: asyncio.Task | None = None
         self._op = asyncio.Lock()  # one save or load at a time (a load changes the branch)
         self._running: set[asyncio.Future] = set()  # storage calls in their threads
-        self._commit_lock = runtime.lock()  # one commit at a time (a save's, a persist's)
+        # One commit at a time per store: a persist's durable commit (seconds on S3) never
+        # holds up a memory save's commit; the lease has its own lock.
+        self._commit_locks = {"durable": runtime.lock(), "memory": runtime.lock()}
         self._events = Events(config.on_event)  # one record per save and load (events.py)
         self.tier = open_tier(config, self._lease.release, self.store)  # None: no memory tier
         if self.tier is not None:
@@ -320,8 +322,8 @@ class CheckpointCoordinator:
         self._under_lease(self._commit_now, manifest, store)
 
     def _commit_now(self, manifest: layout.Manifest, store: Storage | None) -> None:
-        with self._commit_lock:
-            target = self.store if store is None else store
+        target = self.store if store is None else store
+        with self._commit_locks["durable" if target is self.store else "memory"]:
             commit.commit_step(target, manifest, self._lease.renew, self._signer)
             self._timeline.committed(target, manifest.step)
 

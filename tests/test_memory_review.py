@@ -1,9 +1,9 @@
-"""The memory tier meets a rollback (`load(step=K)` with newer steps): a review found five ways
-to lose a committed step or resume the abandoned branch (review3, claims 1, 2, 7, 8, 9). The
-rule now: the first step of a new branch is saved to the durable folder (whatever `durable`
+"""The memory tier's holes that review 3 found. With a rollback (`load(step=K)` with newer
+steps) there were five ways to lose a committed step or resume the abandoned branch (claims
+1, 2, 7, 8, 9); and a persist's durable commit held up every memory save. The rule now: the first step of a new branch is saved to the durable folder (whatever `durable`
 says), its manifest names every step it abandons in both tiers, abandoned memory steps are
 removed once it has committed and skipped by every load meanwhile, and one coordinator runs
-one save or load at a time.
+one save or load at a time; a memory commit never waits for a durable one.
 
 One node's local Ray; holders keep one copy (`memory_copies=1`).
 """
@@ -18,7 +18,7 @@ import pytest
 import ray
 
 from forge_ckpt import Checkpointable, CheckpointConfig, CheckpointCoordinator, CheckpointSaveError
-from forge_ckpt.steps import layout
+from forge_ckpt.steps import commit, layout
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -162,4 +162,35 @@ async def test_a_load_during_a_save_waits_for_it(counter, tmp_path):
     assert (await saving).committed and (await loading).step == 2
     assert coord.tier.steps() == [2, 3, 4, 5]  # memory_keep=4: nothing else removed
     assert layout.read_committed(coord.tier.store, 5).supersedes == []
+    coord.close()
+
+
+async def test_a_slow_persist_never_holds_up_a_memory_save(counter, tmp_path, monkeypatch):
+    """Review 3 (suspicion, issue 22 item 12): the persist's durable commit (three S3 calls,
+    each up to the call bound) held the coordinator's one commit lock, and a memory save's
+    commit waited for it. Here the persist of step 2 is held at its durable commit until the
+    memory save of step 3 has committed."""
+    folder = str(tmp_path / "ckpt")
+    coord = CheckpointCoordinator(config(folder, durable_every=2))
+    coord.register("counter", counter)
+    entered, go = threading.Event(), threading.Event()
+    real = commit.commit_step
+
+    def held(store, manifest, *args):  # the persist's durable commit waits here
+        if store is coord.store:
+            entered.set()
+            assert go.wait(120)
+        return real(store, manifest, *args)
+
+    monkeypatch.setattr(commit, "commit_step", held)
+    await saved(coord, counter, (1, 2))  # step 2 is due: persisted in the background
+    assert await asyncio.to_thread(entered.wait, 120)
+    try:
+        await counter.set.remote(3)
+        result = await asyncio.wait_for(coord.save(3), 120)  # memory only: not due
+        assert result.committed and 3 in coord.tier.steps() and coord.steps() == []
+    finally:
+        go.set()
+    await coord.wait()
+    assert coord.steps() == [2]
     coord.close()
