@@ -414,8 +414,15 @@ async def apply_all(units: list[Unit], step: int, timeout_s: float) -> None:
     nothing changed."""
     tasks = [asyncio.ensure_future(u.apply()) for u in units]
     pending: set[asyncio.Future] = set()
-    if tasks:
-        _, pending = await asyncio.wait(tasks, timeout=timeout_s)
+    try:
+        if tasks:
+            _, pending = await asyncio.wait(tasks, timeout=timeout_s)
+    except asyncio.CancelledError:  # the actors' calls go on: say what that leaves
+        applied = sorted({u.name for u, t in zip(units, tasks, strict=True) if t.done()})
+        log.error("load of step %d was cancelled while applying: the job's state may be mixed "
+                  "(applied so far: %s; the others may still apply). Do not train on it: load "
+                  "again", step, applied or "none")  # fmt: skip
+        raise
     for t in pending:
         t.cancel()
     failures: dict[str, BaseException] = {}
