@@ -96,7 +96,8 @@ class CheckpointCoordinator:
         self._newest_seen: dict[str, int] = {}
         self._commit_lock = runtime.lock()  # one commit at a time (a save's, a persist's)
         self._events = Events(config.on_event)  # one record per save and load (events.py)
-        self.tier = open_tier(config, self._lease.release, self.store)  # None: no memory tier
+        # None: no memory tier
+        self.tier = open_tier(config, self._lease.release, self.store, runtime.to_thread)
         if self.tier is not None:
             self.tier.io = self._io
 
