@@ -134,6 +134,31 @@ class SimThread:
         assert parent is not None
         parent.switch()
 
+    def wait_until(
+        self, loop: asyncio.AbstractEventLoop, fut: asyncio.Future, timeout: float | None
+    ) -> bool:
+        """Called by the worker itself: stop here until `fut` is done or `timeout` virtual
+        seconds passed (a blocking wait on a remote call); whether it is done."""
+        if fut.done():
+            return True
+        woken = False
+
+        def wake(*_: Any) -> None:
+            nonlocal woken
+            if not woken:
+                woken = True
+                self.step()
+
+        fut.add_done_callback(wake)
+        timer = None if timeout is None else loop.call_later(timeout, wake)
+        parent = self._g.parent
+        assert parent is not None
+        parent.switch()
+        if timer is not None:
+            timer.cancel()
+        fut.remove_done_callback(wake)
+        return fut.done()
+
 
 class SimLock:
     """A lock for code that runs as SimThreads (Runtime.lock): a contended acquire waits in

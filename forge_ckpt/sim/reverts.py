@@ -46,9 +46,16 @@ def _every_marker_counts() -> None:
     layout.Fence.problem = lambda self, step, marker: None  # type: ignore[method-assign]
 
 
+def _memory_ignores_durable() -> None:
+    """Fix 3: a save to the memory tier checks only the memory steps, not whether a newer
+    durable step exists (save(1) was accepted on a folder whose newest durable step is 10)."""
+    coordinator._behind = lambda store, durable: [store]
+
+
 REVERTS: dict[str, Callable[[], None]] = {
     "fix1": _abort_after_commit,
     "fix2": _retire_at_once,
+    "fix3": _memory_ignores_durable,
     "fix7": _own_write_is_another,
     "fix8": _every_marker_counts,
 }

@@ -22,6 +22,7 @@ from ..coordinator import CheckpointCoordinator
 from ..errors import CheckpointError, CheckpointLockedError
 from ..runtime import Runtime
 from ..storage import Storage, open_storage
+from . import memory as simmem
 from .actors import Component, SimActor
 from .invariants import Oracle, Violation
 from .loop import Crash, Deadlock, SimLock, run_io
@@ -49,6 +50,7 @@ class Job:
         self.coord: CheckpointCoordinator | None = None
         self.branch_from: int | None = None
         self.pending: int | None = None  # a background save not yet waited for
+        self.mem: simmem.MemoryOracle | None = None  # with the memory tier: its truth
 
     def runtime(self) -> Runtime:
         return Runtime(to_thread=run_io, wall=self.w.clock.wall, lease_thread=False,
@@ -102,7 +104,10 @@ class Job:
             if 0.86 < r < 0.93 and self.pending is not None:
                 self.register_late()
         await self.flush()
-        await coord.aclose()
+        try:
+            await coord.aclose()
+        except (CheckpointError, OSError) as e:  # a persist's failure, raised at last
+            self.w.log(f"{self.name} aclose() failed: {_brief(e)}")
 
     def steps(self) -> list[int]:
         assert self.coord is not None
@@ -174,6 +179,13 @@ class Job:
 
     def reported(self, step: int) -> None:
         self.w.log(f"{self.name} save({step}) committed")
+        if self.mem is not None:  # to memory; durable only once persisted (observed then)
+            self.branch_from = None
+            assert self.coord is not None
+            mine = self.oracle.lease_generation() <= self.coord._lease.generation
+            simmem.check_reported(self.mem, step, mine)
+            self.oracle.check_storage()
+            return
         self.oracle.committed(step, self.branch_from)
         self.branch_from = None
         self.oracle.check_storage()
@@ -181,10 +193,13 @@ class Job:
     async def load(self, step: int | None, current: int = 0) -> int:
         assert self.coord is not None
         before = [a.obj.loads for a in self.actors]
+        want = None if self.mem is None else simmem.expected_load(self.oracle, self.mem)
         try:
             res = await self.coord.load(step)
         except (CheckpointError, OSError) as e:
             self.w.log(f"{self.name} load({step}) failed: {_brief(e)}")
+            if self.mem is not None:
+                simmem.check_failed_load(e)
             after = [a.obj.loads for a in self.actors]
             changed = [
                 a.obj.name for a, x, y in zip(self.actors, before, after, strict=True) if x != y
@@ -194,7 +209,9 @@ class Job:
             return current
         got = None if res is None else res.step
         self.w.log(f"{self.name} load({step}) -> {got}")
-        if step is None:
+        if step is None and self.mem is not None:
+            simmem.check_load(self.oracle, self.mem, got, want)
+        elif step is None:
             self.oracle.check_load(got)
         if res is not None:
             self._check_applied(res.step, res.manifest)
@@ -253,6 +270,7 @@ async def _scenario(world: World, oracle: Oracle, jobs: list[Job]) -> None:
         ctx.run(PROC.set, job.proc)
         task = ctx.run(world.loop.create_task, job.run(rng.randint(3, 9)))
         job.proc.tasks.append(task)
+        simmem.faults_for_job(world, functools.partial(_procs, job))
         if rng.random() < 0.5:  # kill the job (or one of its actors) at a random moment
             victim = job.proc if rng.random() < 0.7 else None
             world.loop.call_later(rng.uniform(0.0, 0.4), _kill_later, world, job, victim)
@@ -273,6 +291,10 @@ async def _scenario(world: World, oracle: Oracle, jobs: list[Job]) -> None:
         del n
 
 
+def _procs(job: Job) -> list[Proc]:
+    return [a.proc for a in job.actors]
+
+
 def _kill_later(world: World, job: Job, victim: Proc | None) -> None:
     if victim is None and job.actors:
         victim = world.rng.choice(job.actors).proc
@@ -288,6 +310,7 @@ def _hermetic() -> None:
     from .world import _WORLDS
 
     _open.clear()
+    simmem.hermetic()
     lock._LEASES.clear()
     SimThread._by_greenlet.clear()
     _WORLDS.clear()
@@ -309,12 +332,17 @@ def run_seed(seed: int) -> Outcome:
 
 
 def _run(world: World) -> str | None:
-    config = make_config(world)
+    config = simmem.setup(world, make_config(world))
     world.log(f"config: {config.async_mode} keep_last={config.keep_last} faults={world.faults}")
+    if config.memory_every:
+        world.log(f"memory tier: durable_every={config.durable_every} memory_keep="
+                  f"{config.memory_keep} nodes={world.memory.alive} slow={world.memory.slow}")  # fmt: skip
     oracle = Oracle(_ungated(world), _ungated(world, "/replaced"), config.keep_last)
     oracle.epoch = lambda: world.epoch
     world.observers.append(oracle.observe)
     jobs = [Job(world, oracle, f"job{i}", config) for i in range(3)]
+    for job in jobs:
+        job.mem = simmem.oracle_for(world, config)
     sibling = seed_sibling(world)
     world.loop.set_exception_handler(lambda loop, ctx: None)
     try:
