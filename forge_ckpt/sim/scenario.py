@@ -96,6 +96,9 @@ class Job:
             for a in self.actors:
                 a.set_version.remote(step)  # training: runs after any earlier snapshot
             await self.save(step)
+            if self.mem is not None and any(not a.proc.alive for a in self.actors):
+                step = await self.recover(step)
+                continue
             if r > 0.93 and self.pending is not None:
                 await asyncio.sleep(rng.uniform(0.0, 0.05))  # maybe mid-commit by now
                 w.log(f"{self.name} close() with a save in flight")
@@ -130,6 +133,19 @@ class Job:
             return
         if res is not None and res.committed:
             self.reported(step)
+
+    async def recover(self, step: int) -> int:
+        """What a supervisor does when nodes were lost (docs/cluster.md): restart the dead
+        actors on the nodes left, register them again, and load the newest whole step."""
+        assert self.coord is not None
+        await self.flush()
+        for i, a in enumerate(self.actors):
+            if not a.proc.alive:
+                name = a.obj.name
+                self.actors[i] = SimActor(self.w, Proc(f"{a.proc.name}r"), Component(name))
+                self.coord.register(name, self.actors[i], replace=True, optional=name == "late")
+        self.w.log(f"{self.name} recovers")
+        return await self.load(None, step)
 
     def register_late(self) -> None:
         """register() while a background save runs (it must not join that save)."""
