@@ -224,16 +224,19 @@ class MemoryTier:
         """Drop the memory steps beyond `memory_keep`, never one still waiting to be
         persisted (pinned). The steps are listed once; after that this tier's own commits
         are the list (a step lost with its holders is dropped again harmlessly), which saves
-        a listing and two reads per step at every save."""
-        if self._recent is None:
-            self._recent = self.steps()
-        self._recent = sorted({*self._recent, step})
+        a listing and two reads per step at every save. Two may overlap (a save cancelled by
+        its caller's deadline leaves its thread running on): each works on its own list."""
+        listed = self._recent if self._recent is not None else self.steps()
+        recent = self._recent = sorted({*listed, step})
         keep = commit.RetentionPolicy(keep_last=self.config.memory_keep)
-        for old in keep.to_delete(self._recent):
+        gone = set()
+        for old in keep.to_delete(recent):
             if old in self._pinned:
                 continue
             commit.remove_step(self.store, old)
-            self._recent.remove(old)
+            gone.add(old)
+        if self._recent is not None:  # (None: a load asked to list them again meanwhile)
+            self._recent = [s for s in self._recent if s not in gone]
 
     def relist(self) -> None:
         """The steps changed other than by our commits (a load may retire a branch)."""
