@@ -37,7 +37,7 @@ from .errors import (
 from .events import Events
 from .lock import CURRENT as CURRENT_LEASE
 from .lock import Lease
-from .memory.choose import TIER
+from .memory.choose import TIER, abandoned
 from .memory.choose import candidates as load_candidates
 from .memory.tier import open_tier
 from .remote_errors import describe, gather_units, save_error
@@ -541,6 +541,9 @@ class CheckpointCoordinator:
         exclude = set(exclude)
         marked = await self._io(self._loadable)
         mem = await self._io(self.tier.steps) if self.tier is not None else []
+        listed = max([*marked, *mem], default=None)
+        if self.tier is not None:
+            marked, mem = await self._io(self._live_across_tiers, marked, mem)
         if step is not None and step not in marked and step not in mem:
             raise CheckpointError(
                 f"step {step} is not a committed step in {self.config.folder}; "
@@ -566,7 +569,7 @@ class CheckpointCoordinator:
                             "memory " if nxt[0] else "", nxt[1])  # fmt: skip
                 await self._io(commit.quarantine_step, self.store, candidate)
                 continue
-            self._rollback_point(loaded.step, max([*marked, *mem], default=None), newer)
+            self._rollback_point(loaded.step, listed, newer)
             return loaded
         return None
 
@@ -579,6 +582,21 @@ class CheckpointCoordinator:
         self._abandons = (
             [p for p in newer if p[0] > loaded] if self._branch_from is not None else []
         )
+
+    def _live_across_tiers(self, marked: list[int], mem: list[int]) -> tuple[list, list]:
+        """Less the steps of either tier that a committed step of the other abandoned."""
+        assert self.tier is not None
+        found = []
+        for store, steps in ((self.tier.store, mem), (self.store, marked)):
+            manifests = {}
+            for s in steps:
+                try:
+                    manifests[s] = layout.read_committed(store, s)
+                except CheckpointCorruptError:  # the load reports it
+                    continue
+            found.append(manifests)
+        gone_mem, gone = abandoned(found[0], found[1])
+        return [s for s in marked if s not in gone], [s for s in mem if s not in gone_mem]
 
     def _loadable(self) -> list[int]:
         """Marked durable steps, less those a committed newer branch abandoned."""

@@ -78,6 +78,10 @@ def _unwrap(e: BaseException) -> BaseException:
 
 
 class MemoryStorage(Storage):
+    # No lease of its own: the coordinator's lease on the durable folder fences its commits
+    # (commit._borrowed: a stale writer's leftover manifest or COMMIT is replaced under it).
+    fenced_by_caller = True
+
     def __init__(self, spec: StorageSpec) -> None:
         unknown = sorted(set(spec.options) - set(OPTIONS))
         if unknown:

@@ -104,6 +104,7 @@ class SimCluster(RayCluster):
         self.node_of: dict[str, str] = {}  # process name -> its node
         self.slow = rng.uniform(0.0, 0.02) if rng.random() < 0.3 else 0.0
         self.quiet = False  # the oracle reads: inline, without faults
+        self.late = 0  # calls answered after their caller's timeout, so far
         self.waiting: set[tuple[str, int]] = set()  # (driver, step) pinned, not yet unpinned
         self._building: str | None = None  # the node of the holder being constructed
 
@@ -125,7 +126,9 @@ class SimCluster(RayCluster):
         """A process's node: a driver on the head node, an actor on a worker node."""
         if proc not in self.node_of:
             workers = [n for n in self.alive if n != HEAD] or [HEAD]
-            self.node_of[proc] = HEAD if "." not in proc else workers[len(self.node_of) % len(workers)]
+            self.node_of[proc] = (
+                HEAD if "." not in proc else workers[len(self.node_of) % len(workers)]
+            )
         return self.node_of[proc]
 
     def actor(self, name: str, namespace: str) -> Any:
@@ -159,6 +162,7 @@ class SimCluster(RayCluster):
             raise Crash(th.proc.name)
         fut = ref.start()
         if not th.wait_until(self.world.loop, fut, timeout):
+            self.late += 1
             raise ray.exceptions.GetTimeoutError(f"{ref.method} on {ref.holder.name}: no answer")
         return fut.result()
 
@@ -318,21 +322,28 @@ class MemoryOracle:
 
     def whole(self) -> dict[tuple[int, float], layout.Manifest]:
         """Committed memory steps whose every file some live holder has, intact."""
+        return self.steps()[1]
+
+    def steps(
+        self,
+    ) -> tuple[dict[tuple[int, float], layout.Manifest], dict[tuple[int, float], layout.Manifest]]:
+        """(committed memory steps, those of them whole)."""
         self.cluster.quiet = True
         try:
             store = self.store()
             live = [h.obj.files for h in self.cluster.actors.values()
                     if h.proc.alive and self.run_id in h.name]  # fmt: skip
-            out = {}
+            committed, whole = {}, {}
             for s in layout.committed_steps(store):
                 try:
                     m = layout.read_committed(store, s)
                 except (CheckpointCorruptError, FileNotFoundError):
                     continue
+                committed[(s, m.created)] = m
                 name = layout.step_name(s)
                 if all(any(_intact(fs.get(f"{name}/{f.path}"), f) for fs in live) for f in m.files):
-                    out[(s, m.created)] = m
-            return out
+                    whole[(s, m.created)] = m
+            return committed, whole
         finally:
             self.cluster.quiet = False
 
@@ -390,17 +401,24 @@ def faults_for_job(world: World, procs: Callable[[], list[Proc]]) -> None:
 def expected_load(oracle: Oracle, mem: MemoryOracle) -> int | None:
     """The newest step of either tier a load may return: a whole memory step or a legit
     durable one, neither abandoned by a committed newer branch of either tier."""
-    whole = mem.whole()
-    gone = {tuple(p) for m in whole.values() for p in m.supersedes}
+    committed, whole = mem.steps()
+    gone = {tuple(p) for m in committed.values() for p in m.supersedes}
     gone |= {tuple(p) for i, m in oracle.manifests().items() for p in m.supersedes
              if i in oracle.loadable()}  # fmt: skip
     steps = [i[0] for i in [*oracle.loadable(), *whole] if i not in gone]
     return max(steps, default=None)
 
 
-def check_load(oracle: Oracle, mem: MemoryOracle, got: int | None, before: int | None) -> None:
+def check_load(
+    oracle: Oracle, mem: MemoryOracle, got: int | None, before: int | None, late: int
+) -> None:
     """I2 across the tiers; `before`: what was expected when the load began (a node lost
-    during the load may have taken the step it chose since)."""
+    during the load may have taken the step it chose since). `late`: the count of holder
+    calls answered after their timeout when it began; a load that met one counted that
+    holder as dead (by design: a timeout is how Ray tells a holder that died), so it is
+    not held to what that holder has."""
+    if mem.cluster.late != late:
+        return
     oracle.refresh()
     now = expected_load(oracle, mem)
     if got not in (now, before):

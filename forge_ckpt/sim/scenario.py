@@ -210,6 +210,7 @@ class Job:
         assert self.coord is not None
         before = [a.obj.loads for a in self.actors]
         want = None if self.mem is None else simmem.expected_load(self.oracle, self.mem)
+        late = 0 if self.mem is None else self.mem.cluster.late
         try:
             res = await self.coord.load(step)
         except (CheckpointError, OSError) as e:
@@ -226,7 +227,7 @@ class Job:
         got = None if res is None else res.step
         self.w.log(f"{self.name} load({step}) -> {got}")
         if step is None and self.mem is not None:
-            simmem.check_load(self.oracle, self.mem, got, want)
+            simmem.check_load(self.oracle, self.mem, got, want, late)
         elif step is None:
             self.oracle.check_load(got)
         if res is not None:
