@@ -189,6 +189,37 @@ class SimLock:
         self.release()
 
 
+class SimQueueLock(SimLock):
+    """A SimLock whose waiters sleep until the release hands it on (in arrival order),
+    instead of looking again every 0.1 ms: a holder parked for a minute (a memory holder's
+    call answered after its timeout) would otherwise cost 600,000 looks. The memory tier's
+    schedules use it; the others keep SimLock, and with it their traces."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._waiters: list[asyncio.Future] = []
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        me = SimThread.current()
+        if not self._held or not blocking or me is None:
+            return super().acquire(blocking, timeout)
+        loop = asyncio.get_running_loop()
+        while self._held:
+            fut = loop.create_future()
+            self._waiters.append(fut)
+            me.wait_until(loop, fut, None)
+        self._held = True
+        return True
+
+    def release(self) -> None:
+        self._held = False
+        while self._waiters:
+            fut = self._waiters.pop(0)
+            if not fut.done():
+                fut.set_result(None)
+                return
+
+
 PROC: contextvars.ContextVar[Any] = contextvars.ContextVar("forge_ckpt_sim_proc")
 
 

@@ -41,6 +41,7 @@ from .world import Proc, World
 CALL_S = (0.0002, 0.002)  # a holder call's latency each way, in virtual seconds
 SLOW_S = (61.0, 90.0)  # a slow answer: past the holder calls' 60 s timeout
 HEAD = "node0000head"
+DELETES = ("delete", "delete_prefix", "drop_step")
 # The share of schedules whose jobs run with the memory tier (a generator of its own decides,
 # so that the other schedules, and their seeds' traces, stay as they were).
 SHARE = float(os.environ.get("FORGE_SIM_MEMORY", "0.25"))
@@ -59,6 +60,7 @@ class SimCall:
         self.holder, self.method, self.args = holder, method, args
         self.fut: asyncio.Future | None = None
         self.caller = _caller()  # the process that sent it
+        holder.cluster.intent(self)
 
     def start(self) -> asyncio.Future:
         if self.fut is None:
@@ -145,6 +147,7 @@ class SimCluster(RayCluster):
             self._building = None
         h = SimHolder(self, name, node, obj)
         self.actors[(namespace, name)] = h
+        self.node_of[h.proc.name] = node
         if node not in self.alive:  # its node died since it was listed
             h.proc.alive = False
 
@@ -193,24 +196,26 @@ class SimCluster(RayCluster):
         return self._apply(call)
 
     def _apply(self, call: SimCall) -> Any:
+        result = getattr(call.holder.obj, call.method)(*call.args)
         self._watch(call)
-        return getattr(call.holder.obj, call.method)(*call.args)
+        return result
 
     def _watch(self, call: SimCall) -> None:
         """A job's own memory retention must not drop a step its own persist waits for (the
-        tier pinned it and has not unpinned it yet): failure 4."""
+        tier pinned it and has not unpinned it yet): failure 4. Dropped: no live holder
+        keeps its marker once this removal applied."""
         driver = call.caller
         who = "-" if driver is None else driver.name
-        if call.method == "pin":
-            mark = (who, int(call.args[0]))
-            (self.waiting.add if call.args[1] else self.waiting.discard)(mark)
-        if call.method not in ("delete", "delete_prefix", "drop_step") or self.quiet:
+        if call.method not in DELETES or self.quiet:
             return
         arg = call.args[0]
         step = arg if isinstance(arg, int) else step_of(str(arg))
         if step is None or (who, step) not in self.waiting or driver is None or not driver.alive:
             return
-        if f"step-{step}/{layout.MARKER}" in call.holder.obj.files:
+        marker = f"step-{step}/{layout.MARKER}"
+        run = call.holder.obj.run_id
+        live = [h.obj for h in self.actors.values() if h.proc.alive and h.obj.run_id == run]
+        if not any(marker in h.files for h in live):
             v = Violation("I1 no loss", f"memory step {step} was removed while it waited to "
                           f"be persisted ({who}'s {call.method} on {call.holder.name[-8:]})")  # fmt: skip
             self.world.violation = self.world.violation or v
@@ -221,7 +226,9 @@ class SimCluster(RayCluster):
         thread of the holder's process, and its reply comes back unless the node died."""
         loop, h = self.world.loop, call.holder
         fut = loop.create_future()
-        slow = self.rng.random() < self.slow
+        # A removal applied more than its timeout after it was sent is outside the fault
+        # model, as in the folder's (world.py): nothing a client does can fence it.
+        slow = self.rng.random() < self.slow and call.method not in DELETES
         there = self.rng.uniform(*(SLOW_S if slow else CALL_S))
         back = self.rng.uniform(*CALL_S)
         if slow:
@@ -251,15 +258,15 @@ class SimCluster(RayCluster):
             else:
                 fut.set_result(inner.result())
 
-        self._track(call)
         loop.call_later(there, begin)
         return fut
 
-    def _track(self, call: SimCall) -> None:
-        """The pin bookkeeping is the caller's intent: noted when the call is sent."""
-        if call.method == "pin" and not call.args[1]:
-            driver = call.caller
-            self.waiting.discard(("-" if driver is None else driver.name, int(call.args[0])))
+    def intent(self, call: SimCall) -> None:
+        """A pin is the tier's intent (a step due to be persisted, or its persist ended):
+        noted when the call is made, whenever it reaches the holder."""
+        if call.method == "pin":
+            mark = ("-" if call.caller is None else call.caller.name, int(call.args[0]))
+            (self.waiting.add if call.args[1] else self.waiting.discard)(mark)
 
     # ---- faults -----------------------------------------------------------------------------
     def lose_node(self, node: str | None = None) -> str | None:

@@ -25,7 +25,7 @@ from ..storage import Storage, open_storage
 from . import memory as simmem
 from .actors import Component, SimActor
 from .invariants import Oracle, Violation
-from .loop import Crash, Deadlock, SimLock, run_io
+from .loop import Crash, Deadlock, SimLock, SimQueueLock, run_io
 from .world import PROC, Proc, World
 
 TTL = 30.0
@@ -53,8 +53,9 @@ class Job:
         self.mem: simmem.MemoryOracle | None = None  # with the memory tier: its truth
 
     def runtime(self) -> Runtime:
+        lock = SimLock if self.w.memory is None else SimQueueLock  # (see SimQueueLock)
         return Runtime(to_thread=run_io, wall=self.w.clock.wall, lease_thread=False,
-                       identity=self.proc.identity(), lock=SimLock)  # fmt: skip
+                       identity=self.proc.identity(), lock=lock)  # fmt: skip
 
     async def open(self) -> CheckpointCoordinator:
         failed = 0  # opens that took the lease and then failed: faults are rare, so a run
