@@ -89,6 +89,15 @@ def test_it_finds_a_late_commit_when_readers_ignore_the_lease_record():
 
 
 @pytest.mark.timeout(1200)
+def test_it_finds_a_memory_save_behind_a_newer_durable_step():
+    """Fix 3 taken back out: a save to the memory tier checks only the memory steps. A job
+    whose load failed saves step 1 on a folder whose newest durable step is higher; the step
+    is persisted, and the folder's retention then removes it by its number (I1)."""
+    line = first_violation_with("fix3")
+    assert any(f": {i} " in line for i in ("I1", "I2")), line
+
+
+@pytest.mark.timeout(1200)
 def test_it_finds_memory_retention_dropping_a_step_waiting_to_be_persisted():
     """Fix 4 taken back out: memory retention keeps the newest `memory_keep` steps and drops
     a step whose persist has not ended (its persist then finds no copy left)."""
