@@ -82,7 +82,8 @@ class CheckpointCoordinator:
         # holds up a memory save's commit; the lease has its own lock.
         self._commit_locks = {"durable": runtime.lock(), "memory": runtime.lock()}
         self._events = Events(config.on_event)  # one record per save and load (events.py)
-        self.tier = open_tier(config, self._lease.release, self.store)  # None: no memory tier
+        # None: no memory tier
+        self.tier = open_tier(config, self._lease.release, self.store, runtime.to_thread)
         if self.tier is not None:
             self.tier.io = self._io
         memory = self.tier.store if self.tier is not None else None
@@ -471,12 +472,25 @@ class CheckpointCoordinator:
         self._calls.close()
 
     def _release(self) -> None:
-        """The run is closed: its memory holders free their memory, then the lease goes."""
+        """The run is closed: its memory holders free their memory, then the lease goes. A
+        job that lost the lease leaves them: they are its successor's now (same run)."""
         try:
             if self.tier is not None:
-                self.tier.close()
+                if self._lease_is_ours():
+                    self.tier.close()
+                else:
+                    self.tier.cancel()
         finally:
             self._lease.release()
+
+    def _lease_is_ours(self) -> bool:
+        """Renewed just now (the holders are killed within its TTL), or not ours (any more)."""
+        try:
+            self._lease.check(fresh=True)
+            return True
+        except (CheckpointError, OSError) as e:
+            log.warning("leaving the memory holders to whoever holds the folder now: %s", e)
+            return False
 
     def wipe(self) -> None:
         """Delete every step of the folder (each marker first) and the quarantined ones, then

@@ -16,7 +16,7 @@ from typing import Any
 
 from ..config import CheckpointConfig
 from ..errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
-from ..memory.choose import TIER
+from ..memory.choose import TIER, abandoned
 from ..memory.choose import candidates as load_candidates
 from ..memory.tier import MemoryTier
 from ..steps import branch, commit, layout
@@ -57,7 +57,9 @@ class Loader:
     ) -> LoadResult | None:
         """Load `step` (None: the newest committed whole step of either tier)."""
         marked = await self.io(self.timeline.loadable)
-        mem = await self.io(self._memory_steps) if self.tier is not None else []
+        mem = await self.io(self.tier.steps) if self.tier is not None else []
+        if self.tier is not None:
+            marked, mem = await self.io(self._live_across_tiers, marked, mem)
         if step is not None and step not in marked and step not in mem:
             raise CheckpointError(
                 f"step {step} is not a committed step in {self.config.folder}; "
@@ -87,11 +89,22 @@ class Loader:
             return loaded
         return None
 
-    def _memory_steps(self) -> list[int]:
-        """Memory steps, less those a committed durable step of a newer branch abandoned."""
+    def _live_across_tiers(self, marked: list[int], mem: list[int]) -> tuple[list, list]:
+        """Less the steps of either tier that a committed step of the other abandoned (a
+        rollback's first step is durable and names the abandoned memory steps; a driver
+        may have died before removing them)."""
         assert self.tier is not None
-        gone = branch.abandoned_copies(self.store, self.tier.store)
-        return [s for s in self.tier.steps() if s not in gone]
+        found = []
+        for store, steps in ((self.tier.store, mem), (self.store, marked)):
+            manifests = {}
+            for s in steps:
+                try:
+                    manifests[s] = layout.read_committed(store, s)
+                except CheckpointCorruptError:  # the load reports it
+                    continue
+            found.append(manifests)
+        gone_mem, gone = abandoned(found[0], found[1])
+        return [s for s in marked if s not in gone], [s for s in mem if s not in gone_mem]
 
     def _newer_than(self, step: int) -> list[tuple[int, float]]:
         """What a rollback to `step` abandons: every newer step with a marker, both tiers."""

@@ -54,9 +54,8 @@ class Timeline:
             # the only copies (durable_every > 1)
         if step > self._newest_seen.get(store.url, step):
             return []
-        stores = [store] if store is self.store else [store, self.store]
         newest = 0
-        for s in stores:  # a memory save must not go behind a newer durable step either
+        for s in _behind(store, self.store):
             committed = branch.live_steps(s)
             if s is store and step in committed:
                 log.warning("step %d is already committed; nothing to save", step)
@@ -109,3 +108,10 @@ class Timeline:
         """Marked durable steps, less those a committed newer branch abandoned."""
         gone = branch.superseded(self.store)
         return [s for s in layout.marked_steps(self.store) if s not in gone]
+
+
+def _behind(store: Storage, durable: Storage) -> list[Storage]:
+    """The stores whose newest step a save to `store` must not go behind: its own and, for a
+    memory save, the durable folder too (else retention removes the older step persisted
+    from memory by its number, and the next load resumes the newer one)."""
+    return [store] if store is durable else [store, durable]

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 TIER = {True: "memory", False: "durable"}
 
 
@@ -16,3 +19,15 @@ def candidates(
     if not fallback:
         durable = durable[:1]
     return sorted([(True, s) for s in mem] + durable, key=lambda c: (c[1], c[0]), reverse=True)
+
+
+def abandoned(mem: Mapping[int, Any], durable: Mapping[int, Any]) -> tuple[set[int], set[int]]:
+    """(memory steps, durable steps) that a committed step of either tier abandoned, by
+    (step, created) identity from the manifests given. A rollback's first save goes to
+    memory: until it is persisted, its manifest is the only record that the newer durable
+    steps are of the abandoned branch."""
+    pairs = {tuple(p) for m in [*mem.values(), *durable.values()] for p in m.supersedes}
+    return (
+        {s for s, m in mem.items() if (s, m.created) in pairs},
+        {s for s, m in durable.items() if (s, m.created) in pairs},
+    )

@@ -33,6 +33,7 @@ from ..storage.base import (
     checksums_of,
     crc32c_of_bytes,
 )
+from .cluster import current
 from .transport import Server
 
 _STEP_RE = re.compile(r"^step-(\d+)(/|$)")
@@ -53,17 +54,25 @@ class Holder:
     decision on it (room, create-if-absent, replace-if-tag) is made under `_lock`."""
 
     def __init__(
-        self, run_id: str, fingerprint: str, budget: int, keep: int, incarnation: str = ""
+        self,
+        run_id: str,
+        fingerprint: str,
+        budget: int,
+        keep: int,
+        incarnation: str = "",
+        listen: bool = True,
     ) -> None:
+        """`listen=False`: no direct listener (the simulation's holders; clients use the
+        holder's calls for the bytes, as they do when a stream fails)."""
         self.run_id, self.fingerprint, self.incarnation = run_id, fingerprint, incarnation
         self.budget, self.keep = budget, keep
         self.files: dict[str, bytes | bytearray] = {}
         self.pinned: set[int] = set()  # steps waiting to be persisted: never dropped for room
         self.persisting = 0  # persists in progress (for info())
         self._lock = threading.Lock()
-        self.node_id = ray.get_runtime_context().get_node_id()
+        self.node_id = current().node_id()
         self._server: Server | None = None
-        self.serve(True)
+        self.serve(listen)
 
     def serve(self, on: bool = True) -> dict[str, Any] | None:
         """Start (or stop) the direct listener on this node's address; its endpoint. (Stopped:
@@ -106,7 +115,7 @@ class Holder:
     def put(self, key: str, refs: list[Any], record: dict) -> int:
         """Fetch the writer's object (Ray moves it node to node), check it, keep it: the path
         when the direct stream cannot be used. A small file comes as bytes in the call."""
-        data = refs[0] if isinstance(refs[0], bytes) else ray.get(refs[0])
+        data = refs[0] if isinstance(refs[0], bytes) else current().get(refs[0])
         buf = bytes(data) if not isinstance(data, bytes) else data
         rec = FileRecord.from_dict(record)
         self.accept(key, buf, checksums_of(buf, _algo(rec)), record)

@@ -21,7 +21,7 @@ import ray
 
 from ..errors import CheckpointError
 from ..storage import AlreadyExistsError, Storage
-from .holder import HolderActor
+from .cluster import current
 from .placement import HolderRef, holder_name
 from .store import forget
 
@@ -53,7 +53,7 @@ def incarnation(durable: Storage) -> str:
 
 
 def alive_nodes() -> list[str]:
-    return [n["NodeID"] for n in ray.nodes() if n.get("Alive")]
+    return current().nodes()
 
 
 class Identity:
@@ -66,21 +66,22 @@ class Identity:
     def start(self, nodes: list[str], budget: int, keep: int) -> list[HolderRef]:
         """Find or start this run's holder on each node; each answers (with our budget)
         before the first save."""
-        if not ray.is_initialized():
+        cluster = current()
+        if not cluster.ready():
             raise CheckpointError("the memory tier needs Ray: call ray.init() first")
         refs = []
         for node in nodes:
             name = holder_name(self.run_id, node)
             self._retire_foreign(name)
             try:
-                ray.get_actor(name, namespace=self.namespace)
+                cluster.actor(name, self.namespace)
             except ValueError:
                 self._create(name, node, budget, keep)
             refs.append((name, node))
         for name, node in refs:
             try:
-                h = ray.get_actor(name, namespace=self.namespace)
-                ray.get(h.configure.remote(budget, keep), timeout=60)
+                h = cluster.actor(name, self.namespace)
+                cluster.get(h.configure.remote(budget, keep), timeout=60)
             except (ValueError, ray.exceptions.RayActorError):
                 # It died since we looked (a closing run's holder going away): start anew.
                 self._wait_gone(name)
@@ -91,9 +92,10 @@ class Identity:
     def _retire_foreign(self, name: str) -> None:
         """Kill a holder of this folder left by another run: another fingerprint, or the run
         of an earlier incarnation of the folder (deleted and made again since)."""
+        cluster = current()
         try:
-            old = ray.get_actor(name, namespace=self.namespace)
-            info = ray.get(old.info.remote(), timeout=60)
+            old = cluster.actor(name, self.namespace)
+            info = cluster.get(old.info.remote(), timeout=60)
         except (ValueError, ray.exceptions.RayActorError):
             return
         theirs = (info["fingerprint"], info.get("incarnation", ""))
@@ -102,29 +104,24 @@ class Identity:
         log.warning("retiring memory holder %s of another run (fingerprint %r, folder "
                     "incarnation %r; ours %r, %r)", name, *theirs, self.fingerprint,
                     self.incarnation)  # fmt: skip
-        ray.kill(old, no_restart=True)
+        cluster.kill(old)
         forget(self.namespace, name)
         self._wait_gone(name)
 
     def _wait_gone(self, name: str) -> None:
-        deadline = time.monotonic() + NAME_GONE_S
-        while time.monotonic() < deadline:
+        cluster = current()
+        deadline = cluster.monotonic() + NAME_GONE_S
+        while cluster.monotonic() < deadline:
             try:
-                ray.get_actor(name, namespace=self.namespace)
+                cluster.actor(name, self.namespace)
             except ValueError:
                 return
-            time.sleep(0.05)
+            cluster.sleep(0.05)
         raise CheckpointError(f"memory holder {name} did not go away after ray.kill")
 
     def _create(self, name: str, node: str, budget: int, keep: int) -> None:
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-        HolderActor.options(
-            name=name,
-            namespace=self.namespace,
-            lifetime="detached",
-            scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
-        ).remote(self.run_id, self.fingerprint, budget, keep, self.incarnation)
+        current().start_holder(name, self.namespace, node, self.run_id, self.fingerprint,
+                               budget, keep, self.incarnation)  # fmt: skip
 
     def release(self, holders: list[HolderRef]) -> None:
         """Kill the holders (their memory is freed) and wait until their names are free, so
@@ -133,22 +130,23 @@ class Identity:
 
 
 def _kill_all(namespace: str, names: list[str]) -> list[str]:
+    cluster = current()
     killed = []
     for name in names:
         try:
-            ray.kill(ray.get_actor(name, namespace=namespace), no_restart=True)
+            cluster.kill(cluster.actor(name, namespace))
         except ValueError:
             continue
         forget(namespace, name)
         killed.append(name)
-    deadline = time.monotonic() + NAME_GONE_S
+    deadline = cluster.monotonic() + NAME_GONE_S
     for name in killed:
-        while time.monotonic() < deadline:
+        while cluster.monotonic() < deadline:
             try:
-                ray.get_actor(name, namespace=namespace)
+                cluster.actor(name, namespace)
             except ValueError:
                 break
-            time.sleep(0.05)
+            cluster.sleep(0.05)
     return killed
 
 

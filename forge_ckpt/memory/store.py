@@ -18,7 +18,6 @@ import builtins
 import logging
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -37,6 +36,7 @@ from ..storage.base import (
     join,
 )
 from . import transport
+from .cluster import current
 from .placement import HolderRef, preference
 from .transport import Endpoint, TransportError
 
@@ -53,17 +53,7 @@ _handles: dict[tuple[str, str], Any] = {}
 _endpoints: dict[tuple[str, str], Endpoint | None] = {}  # None: the holder has no listener
 _warned: set[str] = set()  # holders whose stream failed (warned once)
 _lock = threading.Lock()
-_pool: ThreadPoolExecutor | None = None
 DEAD, FALLBACK = "dead", "fallback"  # outcomes of a direct exchange other than its result
-
-
-def _threads() -> ThreadPoolExecutor:
-    """Threads that stream to (or from) several holders at once (they wait on sockets)."""
-    global _pool
-    with _lock:
-        if _pool is None:
-            _pool = ThreadPoolExecutor(16, thread_name_prefix="forge-mem")
-        return _pool
 
 
 _GONE = object()  # a read's holder is dead
@@ -88,6 +78,10 @@ def _unwrap(e: BaseException) -> BaseException:
 
 
 class MemoryStorage(Storage):
+    # No lease of its own: the coordinator's lease on the durable folder fences its commits
+    # (commit._borrowed: a stale writer's leftover manifest or COMMIT is replaced under it).
+    fenced_by_caller = True
+
     def __init__(self, spec: StorageSpec) -> None:
         unknown = sorted(set(spec.options) - set(OPTIONS))
         if unknown:
@@ -117,7 +111,7 @@ class MemoryStorage(Storage):
         k = (self.namespace, name)
         with _lock:
             if refresh or k not in _handles:
-                _handles[k] = ray.get_actor(name, namespace=self.namespace)
+                _handles[k] = current().actor(name, self.namespace)
             return _handles[k]
 
     def endpoint(self, name: str, refresh: bool = False) -> Endpoint | None:
@@ -168,7 +162,7 @@ class MemoryStorage(Storage):
         for attempt in (0, 1):
             try:
                 h = self.handle(ref[0], refresh=attempt == 1)
-                return ray.get(getattr(h, method).remote(*args), timeout=timeout)
+                return current().get(getattr(h, method).remote(*args), timeout=timeout)
             except ray.exceptions.RayActorError:
                 if attempt == 1:
                     raise
@@ -185,7 +179,7 @@ class MemoryStorage(Storage):
         out = []
         for ref, fut in futures:
             try:
-                out.append((ref, ray.get(fut, timeout=60.0)))
+                out.append((ref, current().get(fut, timeout=60.0)))
             except _DEAD:
                 try:
                     out.append((ref, self.call(ref, method, *args)))
@@ -203,7 +197,7 @@ class MemoryStorage(Storage):
         """Hand `data` to `copies` live holders (other nodes first), streamed to all of a
         batch at once; the node ids that ack. `placed`: nodes that already have it."""
         key = self.key(path)
-        me = ray.get_runtime_context().get_node_id()
+        me = current().node_id()
         order = [h for h in preference(key, self.holders, me) if h[1] not in placed]
         view = memoryview(data).cast("B")
         slow = _ViaRay(view)
@@ -211,7 +205,7 @@ class MemoryStorage(Storage):
         tried: list[str] = []
         while len(done) < self.copies and order:
             batch, order = order[: self.copies - len(done)], order[self.copies - len(done) :]
-            futs = [(h, _threads().submit(self._place, h, key, view, record, slow)) for h in batch]
+            futs = [(h, current().submit(self._place, h, key, view, record, slow)) for h in batch]
             for h, fut in futs:
                 problem = fut.result()
                 if problem is None:
@@ -263,7 +257,7 @@ class MemoryStorage(Storage):
             if fut is None:
                 continue
             try:
-                ray.get(fut, timeout=CALL_TIMEOUT_S)
+                current().get(fut, timeout=CALL_TIMEOUT_S)
                 return None
             except _DEAD as e:
                 problem = type(e).__name__
@@ -338,7 +332,7 @@ class MemoryStorage(Storage):
         return buf
 
     def _read(self, key: str, start: int, end: int | None, sums: Checksums | None) -> bytearray:
-        me = ray.get_runtime_context().get_node_id()
+        me = current().node_id()
         ranked = preference(key, self.holders, me)
         for ref in [r for r in ranked if r[1] == me] + [r for r in ranked if r[1] != me]:
             limit = None if ref[1] == me else 2 * READ_CHUNK
@@ -407,7 +401,7 @@ class MemoryStorage(Storage):
             if got != b - a:
                 raise _LostMidRead(key)
 
-        futs = [_threads().submit(part, ref, a, b)
+        futs = [current().submit(part, ref, a, b)
                 for ref, a, b in zip(holding, cuts, cuts[1:], strict=False)]  # fmt: skip
         for fut in futs:
             fut.result()
@@ -462,5 +456,5 @@ class _ViaRay:
         with self.lock:
             if self.ref is None:
                 small = self.view.nbytes <= INLINE_MAX
-                self.ref = self.view.tobytes() if small else ray.put(np.asarray(self.view))
+                self.ref = self.view.tobytes() if small else current().put(np.asarray(self.view))
             return self.ref

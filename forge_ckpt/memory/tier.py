@@ -18,6 +18,7 @@ from ..coordination.events import CheckpointEvent, Events
 from ..errors import CheckpointCorruptError, CheckpointError
 from ..steps import branch, commit, layout
 from ..storage import FileRecord, Storage, StorageSpec, open_storage
+from .cluster import current
 from .holders import Identity, alive_nodes, incarnation, run_id_of
 from .placement import HolderRef
 from .store import MemoryStorage
@@ -27,26 +28,36 @@ NODES_EVERY_S = 2.0  # how often a save looks for nodes that joined (a GCS call)
 
 
 def open_tier(
-    config: Any, on_error: Callable[[], None], durable: Storage | None = None
+    config: Any,
+    on_error: Callable[[], None],
+    durable: Storage | None = None,
+    to_thread: Callable[..., Awaitable[Any]] = asyncio.to_thread,
 ) -> MemoryTier | None:
     """The memory tier when configured (`memory_every`); `on_error` (the lease's release)
     runs if it cannot start, so a failed coordinator never keeps the folder. `durable`: the
-    folder (under the caller's lease), where the folder's incarnation id is kept."""
+    folder (under the caller's lease), where the folder's incarnation id is kept;
+    `to_thread`: where blocking calls run (the coordinator's Runtime)."""
     if not config.memory_every:
         return None
     try:
-        return MemoryTier(config, durable)
+        return MemoryTier(config, durable, to_thread)
     except BaseException:
         on_error()
         raise
 
 
 class MemoryTier:
-    def __init__(self, config: Any, durable: Storage | None = None) -> None:
+    def __init__(
+        self,
+        config: Any,
+        durable: Storage | None = None,
+        to_thread: Callable[..., Awaitable[Any]] = asyncio.to_thread,
+    ) -> None:
         self.config = config
+        self.to_thread = to_thread  # the holders' calls (memory steps, pins)
         # The durable folder's calls of a persist: the coordinator's, under its lease (close()
         # releases it only after they end; a writer that lost it removes nothing).
-        self.io: Callable[..., Awaitable[Any]] = asyncio.to_thread
+        self.io: Callable[..., Awaitable[Any]] = to_thread
         self.run_id = run_id_of(config.folder)
         self.fingerprint = str(config.fingerprint or "")
         self.namespace = str(config.memory_namespace)
@@ -82,9 +93,10 @@ class MemoryTier:
         """Start holders on nodes that joined since (a replacement for a lost node): at the
         first save, then at most every `every_s`; the next save places copies on them too.
         Their ids, if any."""
-        if self._checked_nodes is not None and time.monotonic() - self._checked_nodes < every_s:
+        now = current().monotonic()
+        if self._checked_nodes is not None and now - self._checked_nodes < every_s:
             return []
-        self._checked_nodes = time.monotonic()
+        self._checked_nodes = now
         known = {node for _, node in self.holders}
         new = [n for n in alive_nodes() if n not in known]
         if new:
@@ -155,9 +167,9 @@ class MemoryTier:
         due = self.saves % self.config.durable_every == 0 if due is None else due
         if due:  # pinned before any retention: it stays in memory until persisted
             self._pinned.add(step)
-            await asyncio.to_thread(self.store.on_all, "pin", step, True)
-        await asyncio.to_thread(self._retention, step)
-        await asyncio.to_thread(self.add_new_nodes)
+            await self.to_thread(self.store.on_all, "pin", step, True)
+        await self.to_thread(self._retention, step)
+        await self.to_thread(self.add_new_nodes)
         if not due:
             return
         if self._persisting is not None:  # one at a time; a failure is kept for flush()
@@ -204,7 +216,7 @@ class MemoryTier:
         finally:
             self._pinned.discard(step)
         try:
-            await asyncio.to_thread(self.store.on_all, "pin", step, False)
+            await self.to_thread(self.store.on_all, "pin", step, False)
         except Exception as e:  # a holder that is gone has no pin to drop
             log.debug("unpinning memory step %d: %s", step, e)
 
@@ -212,16 +224,19 @@ class MemoryTier:
         """Drop the memory steps beyond `memory_keep`, never one still waiting to be
         persisted (pinned). The steps are listed once; after that this tier's own commits
         are the list (a step lost with its holders is dropped again harmlessly), which saves
-        a listing and two reads per step at every save."""
-        if self._recent is None:
-            self._recent = self.steps()
-        self._recent = sorted({*self._recent, step})
+        a listing and two reads per step at every save. Two may overlap (a save cancelled by
+        its caller's deadline leaves its thread running on): each works on its own list."""
+        listed = self._recent if self._recent is not None else self.steps()
+        recent = self._recent = sorted({*listed, step})
         keep = commit.RetentionPolicy(keep_last=self.config.memory_keep)
-        for old in keep.to_delete(self._recent):
+        gone = set()
+        for old in keep.to_delete(recent):
             if old in self._pinned:
                 continue
             commit.remove_step(self.store, old)
-            self._recent.remove(old)
+            gone.add(old)
+        if self._recent is not None:  # (None: a load asked to list them again meanwhile)
+            self._recent = [s for s in self._recent if s not in gone]
 
     def relist(self) -> None:
         """The steps changed other than by our commits (a load may retire a branch)."""
@@ -293,7 +308,7 @@ class MemoryTier:
         except BaseException:
             await self.io(commit.remove_step, durable, step)
             raise
-        await asyncio.to_thread(commit_fn, manifest)  # from here on, nothing is removed
+        await self.to_thread(commit_fn, manifest)  # from here on, nothing is removed
         log.info("persisted memory step %d to %s", step, durable.where(name))
         return True
 
@@ -301,7 +316,7 @@ class MemoryTier:
         """Each file is written by one live holder that has it, holders in parallel."""
         prefix = layout.step_name(manifest.step)
         keys = [f"{prefix}/{f.path}" for f in manifest.files]
-        has = await asyncio.to_thread(self.store.on_all, "has", keys)
+        has = await self.to_thread(self.store.on_all, "has", keys)
         jobs: dict[HolderRef, list[tuple[str, str]]] = {}
         for i, (f, key) in enumerate(zip(manifest.files, keys, strict=True)):
             owner = next((ref for ref, flags in has if flags[i]), None)

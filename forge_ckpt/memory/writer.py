@@ -13,10 +13,10 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import ray
 
 from ..storage.base import Checksums, FileRecord, Writer
 from . import transport
+from .cluster import current
 from .placement import HolderRef, preference
 from .transport import Feed, TransportError
 
@@ -97,7 +97,7 @@ def start_streams(store: MemoryStorage, path: str, feed: Feed) -> list[tuple[Hol
     from .store import _DEAD
 
     key = store.key(path)
-    me = ray.get_runtime_context().get_node_id()
+    me = current().node_id()
     out: list[tuple[HolderRef, Future]] = []
     for h in preference(key, store.holders, me):
         if len(out) == store.copies:

@@ -187,11 +187,14 @@ class Oracle:
                 raise Violation("I1 no loss", f"committed step {s} is damaged: {e}") from None
 
     def expected_load(self) -> int | None:
+        return max((i[0] for i in self.loadable()), default=None)
+
+    def loadable(self) -> list[Identity]:
+        """Durable steps a load may return: committed, legit, not abandoned."""
         present = {i: g for i, g in self.present().items()
                    if layout.is_committed(self.view, i[0])}  # fmt: skip
         gone = branch.superseded(self.view)
-        ok = [i[0] for i in present if i not in self.late and i[0] not in gone]
-        return max(ok, default=None)
+        return [i for i in present if i not in self.late and i[0] not in gone]
 
     def check_load(self, got: int | None) -> None:
         self.refresh()

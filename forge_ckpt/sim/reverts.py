@@ -7,7 +7,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from ..coordination import coordinator
+from ..coordination import coordinator, timeline
+from ..memory.tier import MemoryTier
 from ..steps import branch, commit, layout, lock
 from ..storage.s3 import S3Storage
 
@@ -47,9 +48,46 @@ def _every_marker_counts() -> None:
     layout.Fence.problem = lambda self, step, marker: None  # type: ignore[method-assign]
 
 
+def _memory_ignores_durable() -> None:
+    """Fix 3: a save to the memory tier checks only the memory steps, not whether a newer
+    durable step exists (save(1) was accepted on a folder whose newest durable step is 10)."""
+    timeline._behind = lambda store, durable: [store]
+
+
+def _retention_drops_pinned() -> None:
+    """Fix 4: memory retention keeps the newest `memory_keep` steps and drops the rest, a
+    step still waiting to be persisted included (its persist then finds no copy left)."""
+
+    def retention(self: MemoryTier, step: int) -> None:
+        self._recent = sorted({*(self._recent or self.steps()), step})
+        keep = commit.RetentionPolicy(keep_last=self.config.memory_keep)
+        for old in keep.to_delete(self._recent):
+            commit.remove_step(self.store, old)
+            self._recent.remove(old)
+
+    MemoryTier._retention = retention  # type: ignore[method-assign]
+
+
+def _load_raises_persist_failure() -> None:
+    """Fix 5: load() raises the failure of a background persist (a job that lost nodes while
+    persisting cannot recover) instead of logging it and loading the newest whole step."""
+    settle = MemoryTier.settle
+
+    async def raising(self: MemoryTier) -> BaseException | None:
+        failure = await settle(self)
+        if failure is not None:
+            raise failure
+        return None
+
+    MemoryTier.settle = raising  # type: ignore[method-assign]
+
+
 REVERTS: dict[str, Callable[[], None]] = {
     "fix1": _abort_after_commit,
     "fix2": _retire_at_once,
+    "fix3": _memory_ignores_durable,
+    "fix4": _retention_drops_pinned,
+    "fix5": _load_raises_persist_failure,
     "fix7": _own_write_is_another,
     "fix8": _every_marker_counts,
 }

@@ -22,9 +22,10 @@ from ..coordination.runtime import Runtime
 from ..errors import CheckpointError, CheckpointLockedError
 from ..steps import layout, lock
 from ..storage import Storage, open_storage
+from . import memory as simmem
 from .actors import Component, SimActor
 from .invariants import Oracle, Violation
-from .loop import Crash, Deadlock, SimLock, run_io
+from .loop import Crash, Deadlock, SimLock, SimQueueLock, run_io
 from .world import PROC, Proc, World
 
 TTL = 30.0
@@ -49,10 +50,12 @@ class Job:
         self.coord: CheckpointCoordinator | None = None
         self.branch_from: int | None = None
         self.pending: int | None = None  # a background save not yet waited for
+        self.mem: simmem.MemoryOracle | None = None  # with the memory tier: its truth
 
     def runtime(self) -> Runtime:
+        lock = SimLock if self.w.memory is None else SimQueueLock  # (see SimQueueLock)
         return Runtime(to_thread=run_io, wall=self.w.clock.wall, lease_thread=False,
-                       identity=self.proc.identity(), lock=SimLock)  # fmt: skip
+                       identity=self.proc.identity(), lock=lock)  # fmt: skip
 
     async def open(self) -> CheckpointCoordinator:
         failed = 0  # opens that took the lease and then failed: faults are rare, so a run
@@ -94,6 +97,9 @@ class Job:
             for a in self.actors:
                 a.set_version.remote(step)  # training: runs after any earlier snapshot
             await self.save(step)
+            if self.mem is not None and any(not a.proc.alive for a in self.actors):
+                step = await self.recover(step)
+                continue
             if r > 0.93 and self.pending is not None:
                 await asyncio.sleep(rng.uniform(0.0, 0.05))  # maybe mid-commit by now
                 w.log(f"{self.name} close() with a save in flight")
@@ -102,7 +108,10 @@ class Job:
             if 0.86 < r < 0.93 and self.pending is not None:
                 self.register_late()
         await self.flush()
-        await coord.aclose()
+        try:
+            await coord.aclose()
+        except (CheckpointError, OSError) as e:  # a persist's failure, raised at last
+            self.w.log(f"{self.name} aclose() failed: {_brief(e)}")
 
     def steps(self) -> list[int]:
         assert self.coord is not None
@@ -125,6 +134,19 @@ class Job:
             return
         if res is not None and res.committed:
             self.reported(step)
+
+    async def recover(self, step: int) -> int:
+        """What a supervisor does when nodes were lost (docs/cluster.md): restart the dead
+        actors on the nodes left, register them again, and load the newest whole step."""
+        assert self.coord is not None
+        await self.flush()
+        for i, a in enumerate(self.actors):
+            if not a.proc.alive:
+                name = a.obj.name
+                self.actors[i] = SimActor(self.w, Proc(f"{a.proc.name}r"), Component(name))
+                self.coord.register(name, self.actors[i], replace=True, optional=name == "late")
+        self.w.log(f"{self.name} recovers")
+        return await self.load(None, step)
 
     def register_late(self) -> None:
         """register() while a background save runs (it must not join that save)."""
@@ -174,6 +196,13 @@ class Job:
 
     def reported(self, step: int) -> None:
         self.w.log(f"{self.name} save({step}) committed")
+        if self.mem is not None:  # to memory; durable only once persisted (observed then)
+            self.branch_from = None
+            assert self.coord is not None
+            mine = self.oracle.lease_generation() <= self.coord._lease.generation
+            simmem.check_reported(self.mem, step, mine)
+            self.oracle.check_storage()
+            return
         self.oracle.committed(step, self.branch_from)
         self.branch_from = None
         self.oracle.check_storage()
@@ -181,10 +210,14 @@ class Job:
     async def load(self, step: int | None, current: int = 0) -> int:
         assert self.coord is not None
         before = [a.obj.loads for a in self.actors]
+        want = None if self.mem is None else simmem.expected_load(self.oracle, self.mem)
+        late = 0 if self.mem is None else self.mem.cluster.late
         try:
             res = await self.coord.load(step)
         except (CheckpointError, OSError) as e:
             self.w.log(f"{self.name} load({step}) failed: {_brief(e)}")
+            if self.mem is not None:
+                simmem.check_failed_load(e)
             after = [a.obj.loads for a in self.actors]
             changed = [
                 a.obj.name for a, x, y in zip(self.actors, before, after, strict=True) if x != y
@@ -194,7 +227,9 @@ class Job:
             return current
         got = None if res is None else res.step
         self.w.log(f"{self.name} load({step}) -> {got}")
-        if step is None:
+        if step is None and self.mem is not None:
+            simmem.check_load(self.oracle, self.mem, got, want, late)
+        elif step is None:
             self.oracle.check_load(got)
         if res is not None:
             self._check_applied(res.step, res.manifest)
@@ -253,6 +288,7 @@ async def _scenario(world: World, oracle: Oracle, jobs: list[Job]) -> None:
         ctx.run(PROC.set, job.proc)
         task = ctx.run(world.loop.create_task, job.run(rng.randint(3, 9)))
         job.proc.tasks.append(task)
+        simmem.faults_for_job(world, functools.partial(_procs, job))
         if rng.random() < 0.5:  # kill the job (or one of its actors) at a random moment
             victim = job.proc if rng.random() < 0.7 else None
             world.loop.call_later(rng.uniform(0.0, 0.4), _kill_later, world, job, victim)
@@ -273,6 +309,10 @@ async def _scenario(world: World, oracle: Oracle, jobs: list[Job]) -> None:
         del n
 
 
+def _procs(job: Job) -> list[Proc]:
+    return [a.proc for a in job.actors]
+
+
 def _kill_later(world: World, job: Job, victim: Proc | None) -> None:
     if victim is None and job.actors:
         victim = world.rng.choice(job.actors).proc
@@ -288,6 +328,7 @@ def _hermetic() -> None:
     from .world import _WORLDS
 
     _open.clear()
+    simmem.hermetic()
     lock._LEASES.clear()
     SimThread._by_greenlet.clear()
     _WORLDS.clear()
@@ -309,12 +350,17 @@ def run_seed(seed: int) -> Outcome:
 
 
 def _run(world: World) -> str | None:
-    config = make_config(world)
+    config = simmem.setup(world, make_config(world))
     world.log(f"config: {config.async_mode} keep_last={config.keep_last} faults={world.faults}")
+    if config.memory_every:
+        world.log(f"memory tier: durable_every={config.durable_every} memory_keep="
+                  f"{config.memory_keep} nodes={world.memory.alive} slow={world.memory.slow}")  # fmt: skip
     oracle = Oracle(_ungated(world), _ungated(world, "/replaced"), config.keep_last)
     oracle.epoch = lambda: world.epoch
     world.observers.append(oracle.observe)
     jobs = [Job(world, oracle, f"job{i}", config) for i in range(3)]
+    for job in jobs:
+        job.mem = simmem.oracle_for(world, config)
     sibling = seed_sibling(world)
     world.loop.set_exception_handler(lambda loop, ctx: None)
     try:

@@ -78,6 +78,7 @@ class World:
         self.epoch = 0
         self.violation: AssertionError | None = None  # the first one the oracle found
         self.threads: list[SimThread] = []
+        self.memory: Any = None  # the memory tier's simulated cluster, if it runs (memory.py)
         _WORLDS[self.id] = self
 
     @property

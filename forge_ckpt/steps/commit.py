@@ -100,10 +100,11 @@ def _commit(
 ) -> None:
     """The protocol's last writes: manifest, COMMIT, record (see commit_step)."""
     name = layout.step_name(step)
+    guard = lease if lease is not None else _borrowed(store, fence)
     try:
         for sub in (layout.ACTORS, layout.TRAINER, ""):
             store.sync_dir(f"{name}/{sub}" if sub else name)
-        _create(store, f"{name}/{layout.MANIFEST}", data, lease)
+        _create(store, f"{name}/{layout.MANIFEST}", data, guard)
         if lease is not None:
             lease.check()  # a holder that knows it was taken over writes no COMMIT
         if fence is not None and (lease is None or fence != lease.renew):
@@ -115,12 +116,23 @@ def _commit(
         e.not_committed = True  # type: ignore[attr-defined]
         raise
     try:
-        _create(store, f"{name}/{layout.MARKER}", marker, lease)
+        _create(store, f"{name}/{layout.MARKER}", marker, guard)
     except AlreadyExistsError as e:
         raise _another_writer(step, e) from None
     store.sync_dir("")
     if lease is not None:
         lease.record(step, generation)  # the commit point
+
+
+def _borrowed(store: Storage, fence: Any) -> Lease | None:
+    """A store without a lease of its own (the memory tier: `fenced_by_caller`) is fenced by
+    its writer's lease on the durable folder: under it, a create that meets a leftover of a
+    writer that lost that lease replaces it, as in the folder (else a stale job's memory
+    manifest broke its successor's save of that step: sim seed 216)."""
+    owner = getattr(fence, "__self__", None)
+    if isinstance(owner, Lease) and getattr(store, "fenced_by_caller", False):
+        return owner
+    return None
 
 
 def _another_writer(step: int, e: BaseException) -> CheckpointSaveError:

@@ -1,0 +1,128 @@
+"""Memory-tier holes the simulation found, each replayed as one scripted schedule without
+faults: real coordinators, the real memory tier and `Holder`s behind the simulated Ray seam
+(forge_ckpt/sim/memory.py), on virtual time, so that a lease expires without waiting."""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import logging
+import random
+from collections.abc import Coroutine
+from typing import Any
+
+import pytest
+
+pytest.importorskip("greenlet", reason="the simulation needs greenlet (pip install -e '.[sim]')")
+
+from forge_ckpt import CheckpointConfig, CheckpointCoordinator  # noqa: E402
+from forge_ckpt.coordination.runtime import Runtime  # noqa: E402
+from forge_ckpt.memory import cluster as seam  # noqa: E402
+from forge_ckpt.sim.actors import Component, SimActor  # noqa: E402
+from forge_ckpt.sim.loop import SimQueueLock, run_io  # noqa: E402
+from forge_ckpt.sim.memory import SimCluster  # noqa: E402
+from forge_ckpt.sim.scenario import _hermetic  # noqa: E402
+from forge_ckpt.sim.world import PROC, Faults, Proc, World  # noqa: E402
+
+TTL = 30.0
+
+
+@pytest.fixture
+def world(tmp_path, monkeypatch):
+    logging.getLogger("forge_ckpt").setLevel(logging.CRITICAL)
+    monkeypatch.setenv("FORGE_CKPT_FAULT", "fsync:skip,fsync_dir:skip")
+    _hermetic()
+    w = World(0, s3=False, root=str(tmp_path), ttl=TTL)
+    w.faults = Faults()  # no faults: each test scripts its own schedule
+    w.memory = SimCluster(w, random.Random(0), nodes=3)
+    w.memory.slow = 0.0
+    seam.install(w.memory)
+    yield w
+    w.loop.close()
+    _hermetic()
+    logging.getLogger("forge_ckpt").setLevel(logging.NOTSET)
+
+
+class Job:
+    """A driver process with its coordinator and one actor."""
+
+    def __init__(self, world: World, name: str, **config: Any) -> None:
+        self.w, self.proc = world, Proc(name)
+        cfg = {"memory_every": 1, "durable_every": 100, "memory_keep": 3, **config}
+        self.config = CheckpointConfig(folder=world.folder, lease_ttl_s=TTL, **cfg)
+        self.coord: CheckpointCoordinator = self.run(self._open())
+
+    async def _open(self) -> CheckpointCoordinator:
+        rt = Runtime(to_thread=run_io, wall=self.w.clock.wall, lease_thread=False,
+                     identity=self.proc.identity(), lock=SimQueueLock)  # fmt: skip
+        coord = CheckpointCoordinator(self.config, runtime=rt)
+        coord.register("c0", SimActor(self.w, Proc(f"{self.proc.name}.a0"), Component("c0")))
+        return coord
+
+    def run(self, coro: Coroutine) -> Any:
+        """`coro` in this job's process, on the world's virtual time."""
+        ctx = contextvars.copy_context()
+        ctx.run(PROC.set, self.proc)
+        return self.w.loop.run_until_complete(ctx.run(self.w.loop.create_task, coro))
+
+
+def wait_out_the_lease(world: World) -> None:
+    world.loop.run_until_complete(asyncio.sleep(TTL * 1.5))  # virtual seconds
+
+
+def test_a_job_that_lost_the_lease_leaves_the_holders_to_its_successor(world):
+    """Job A stalls past its lease; B takes the folder over and saves step 2 to memory; A
+    then closes. A's close() killed the run's holders, and B's committed memory step with
+    them (sim seed 216): now A leaves them."""
+    a = Job(world, "jobA")
+    assert a.run(a.coord.save(1)).committed
+    wait_out_the_lease(world)
+    b = Job(world, "jobB")
+    assert b.run(b.coord.save(2)).committed
+    a.coord.close()
+    assert b.run(b.coord.load()).step == 2
+    assert b.run(b.coord.load()).tier == "memory"
+    b.coord.close()
+
+
+def test_a_rollback_whose_first_save_is_in_memory_only_is_not_undone_by_a_load(world):
+    """Steps 1-3 are durable; load(step=1) rolls back and save(2) commits the new branch in
+    memory only. The driver dies. The next driver's load() resumed durable step 3, of the
+    branch the job rolled back from (sim seed 802): now it loads the new branch's step 2."""
+    a = Job(world, "jobA", durable_every=1)
+    for step in (1, 2, 3):
+        assert a.run(a.coord.save(step)).committed
+    a.run(a.coord.wait())
+    assert a.coord.steps() == [1, 2, 3]
+    assert a.run(a.coord.load(step=1)).step == 1
+    assert a.run(a.coord.save(2, durable=False)).committed
+    world.kill(a.proc)  # the driver dies: no close(), its holders live on
+    wait_out_the_lease(world)
+    b = Job(world, "jobB")
+    got = b.run(b.coord.load())
+    assert (got.step, got.tier) == (2, "memory")
+    assert got.manifest.supersedes  # the new branch's step, not the abandoned step 2
+    b.coord.close()
+
+
+def test_a_stale_jobs_memory_manifest_does_not_fail_its_successors_save(world):
+    """Job A lost the lease; its memory manifest of step 2 lands in B's step 2 after B
+    prepared it. B's commit failed as "another writer is committing" (sim seed 216): memory
+    commits are fenced by B's lease on the folder, and the leftover is replaced."""
+    a = Job(world, "jobA")
+    assert a.run(a.coord.save(1)).committed
+    wait_out_the_lease(world)
+    b = Job(world, "jobB")
+    real = b.coord._commit_now
+
+    def stale_write_lands_first(manifest: Any, store: Any) -> None:
+        if store is not None and manifest.step == 2:  # the memory commit of step 2
+            store.create("step-2/manifest.json", b'{"step": 2, "stale": true}')
+        real(manifest, store)
+
+    b.coord._commit_now = stale_write_lands_first  # type: ignore[method-assign]
+    assert b.run(b.coord.save(2)).committed
+    b.coord._commit_now = real  # type: ignore[method-assign]
+    got = b.run(b.coord.load())
+    assert (got.step, got.tier) == (2, "memory")
+    b.coord.close()
