@@ -85,10 +85,12 @@ def test_a_job_that_lost_the_lease_leaves_the_holders_to_its_successor(world):
     b.coord.close()
 
 
-def test_a_rollback_whose_first_save_is_in_memory_only_is_not_undone_by_a_load(world):
-    """Steps 1-3 are durable; load(step=1) rolls back and save(2) commits the new branch in
-    memory only. The driver dies. The next driver's load() resumed durable step 3, of the
-    branch the job rolled back from (sim seed 802): now it loads the new branch's step 2."""
+def test_a_rollback_whose_first_save_asks_for_memory_only_is_not_undone_by_a_load(world):
+    """Steps 1-3 are durable; load(step=1) rolls back and save(2, durable=False) commits the
+    new branch. The driver dies. The next driver's load() resumed durable step 3, of the
+    branch the job rolled back from (sim seed 802, when that save went to memory only): a
+    new branch's first step is durable now, so it names what it abandons where it outlives
+    the driver, and the next load resumes it."""
     a = Job(world, "jobA", durable_every=1)
     for step in (1, 2, 3):
         assert a.run(a.coord.save(step)).committed
@@ -100,8 +102,9 @@ def test_a_rollback_whose_first_save_is_in_memory_only_is_not_undone_by_a_load(w
     wait_out_the_lease(world)
     b = Job(world, "jobB")
     got = b.run(b.coord.load())
-    assert (got.step, got.tier) == (2, "memory")
+    assert (got.step, got.tier) == (2, "durable")
     assert got.manifest.supersedes  # the new branch's step, not the abandoned step 2
+    assert b.coord.steps() == [1, 2]
     b.coord.close()
 
 

@@ -133,7 +133,7 @@ class Job:
             self.check_blame(e)
             return
         if res is not None and res.committed:
-            self.reported(step)
+            self.reported(step, res.path)
 
     async def recover(self, step: int) -> int:
         """What a supervisor does when nodes were lost (docs/cluster.md): restart the dead
@@ -179,7 +179,7 @@ class Job:
             self.check_blame(e)
             return
         if res.committed:
-            self.reported(step)
+            self.reported(step, res.path)
         elif self.w.rng.random() < 0.5:
             self.pending = step
         else:
@@ -194,9 +194,10 @@ class Job:
         if blamed and self.oracle.lease_generation() <= self.coord._lease.generation:
             raise Violation("I7 no false alarm", f"{self.name}: {_brief(e)}")
 
-    def reported(self, step: int) -> None:
+    def reported(self, step: int, path: str) -> None:
         self.w.log(f"{self.name} save({step}) committed")
-        if self.mem is not None:  # to memory; durable only once persisted (observed then)
+        if path.startswith("mem://"):  # to memory; durable only once persisted (observed then)
+            assert self.mem is not None
             self.branch_from = None
             assert self.coord is not None
             mine = self.oracle.lease_generation() <= self.coord._lease.generation
