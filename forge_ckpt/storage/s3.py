@@ -272,6 +272,7 @@ class S3Storage(Storage):
 
     # ---- deleting and moving ---------------------------------------------------------------
     def delete(self, path: str) -> None:
+        before_delete()  # what came before (a move's copies) may have taken long
         self._call("write", path, self.client.delete_object, Key=self.key(path))
 
     def delete_prefix(self, prefix: str) -> None:
@@ -294,7 +295,13 @@ class S3Storage(Storage):
         uploads = self._uploads(prefix)
         if not self.folder_key(prefix):
             uploads = [u for u in uploads if _ours_at_root(u["Key"])]
-        _wait_all([self.pool.submit(self._abort, prefix, u["Key"], u["UploadId"]) for u in uploads])
+        n = int(self.opts["max_concurrency"])
+        for i in range(0, len(uploads), n):
+            # Fenced like a delete: a listing answered after a take-over names the uploads
+            # of the successor's save in progress.
+            before_delete()
+            _wait_all([self.pool.submit(self._abort, prefix, u["Key"], u["UploadId"])
+                       for u in uploads[i : i + n]])  # fmt: skip
         return len(uploads)
 
     def _uploads(self, prefix: str) -> builtins.list[dict[str, Any]]:
@@ -428,8 +435,28 @@ class S3Writer(Writer):
             r = s._call("write", self.path, s.client.upload_part, Key=s.key(self.path),
                         UploadId=self._upload_id, PartNumber=number, Body=data)  # fmt: skip
             return {"PartNumber": number, "ETag": r["ETag"]}
+        except FileNotFoundError:
+            raise self._vanished() from None
         finally:
             self._slots.release()
+
+    def _check_completed(self) -> None:
+        """After NoSuchUpload on the completion: our own completion whose reply was lost (the
+        object holds exactly these bytes), or the upload was aborted under us."""
+        try:
+            self.store.verify(self.path, self._sums.record(self.path))
+        except (CheckpointCorruptError, FileNotFoundError):
+            raise self._vanished() from None
+
+    def _vanished(self) -> StorageError:
+        """NoSuchUpload: this writer's multipart upload was aborted under it."""
+        return StorageError(
+            errno.EIO,
+            f"{self.store.where(self.path)}: the multipart upload of this file was aborted "
+            "before it completed (by another job that removed this step's folder, a crash "
+            "cleanup of a job that had lost the folder's lease, or a bucket lifecycle rule); "
+            "this save is not committed, nothing committed is touched; save again",
+        )
 
     def close(self) -> FileRecord:
         s = self.store
@@ -447,6 +474,10 @@ class S3Writer(Writer):
                         MultipartUpload={"Parts": parts}, **cond)  # fmt: skip
         except PreconditionFailedError:
             self._check_own()
+        except FileNotFoundError:
+            if self._upload_id is None:
+                raise
+            self._check_completed()
         self._buf = bytearray()
         return self._sums.record(self.path)
 
