@@ -65,9 +65,7 @@ def _s3(gate: Any) -> Clock:
 
 
 def s3_job(clock: Clock, host: str, **kw: Any) -> CheckpointCoordinator:
-    cfg = CheckpointConfig(
-        folder="fences3://bkt/runs/exp1", lease_ttl_s=30.0, keep_last=None, **kw
-    )
+    cfg = CheckpointConfig(folder="fences3://bkt/runs/exp1", lease_ttl_s=30.0, keep_last=None, **kw)
     identity = {"host": host, "pid": 1, "pid_start": "1"}
     return CheckpointCoordinator(
         cfg, runtime=Runtime(wall=clock, lease_thread=False, identity=identity)
@@ -252,7 +250,8 @@ async def test_clock_skew_within_the_allowance_keeps_the_delete_fence(tmp_path):
     until its expiry plus max_clock_skew_s (5 s): the successor takes over only after every
     request the stale job sent under its last renewal has landed."""
     clock = Clock()
-    a = job(tmp_path, clock, "host-a", lease_ttl_s=60.0, keep_last=None)
+    skewed: dict[str, Any] = {"lease_ttl_s": 60.0, "keep_last": None, "max_clock_skew_s": 5.0}
+    a = job(tmp_path, clock, "host-a", **skewed)
     a.register("c0", Handle(FailingSnapshot(1)))
     clock.t += 5.0  # the abort's fresh check renews at A's t
     delete = hold("delete_prefix", "step-1")
@@ -260,13 +259,13 @@ async def test_clock_skew_within_the_allowance_keeps_the_delete_fence(tmp_path):
     await delete.reached()
     clock.t += 57.9  # A's delete is in flight 57.9 s after it was sent (bound: 58 s)
     with pytest.raises(CheckpointLockedError):  # B's clock: t + 60.4, past A's expiry
-        job(tmp_path, Skewed(clock, 2.5), "host-b", lease_ttl_s=60.0, keep_last=None)
+        job(tmp_path, Skewed(clock, 2.5), "host-b", **skewed)
     delete.go.set()  # A's delete lands on its own step
     with pytest.raises(CheckpointError):
         await a_save
     clock.t += 10.0  # B's clock is now past A's expiry plus the allowance
-    b = job(tmp_path, Skewed(clock, 2.5), "host-b", lease_ttl_s=60.0, keep_last=None)
-    b.register("c0", Handle(comp := Comp(201)))
+    b = job(tmp_path, Skewed(clock, 2.5), "host-b", **skewed)
+    b.register("c0", Handle(Comp(201)))
     try:
         assert (await b.save(1)).committed
         assert layout.committed_steps(str(tmp_path)) == [1]
@@ -318,7 +317,7 @@ async def test_a_damaged_lease_is_a_corrupt_lease_not_a_take_over(tmp_path):
     it, and no unrecorded COMMIT counts."""
     clock = Clock()
     b = job(tmp_path, clock, "host-b", lease_ttl_s=30.0, keep_last=None)
-    b.register("c0", Handle(comp := Comp(101)))
+    b.register("c0", Handle(Comp(101)))
     try:
         assert (await b.save(1)).committed
         lease = tmp_path / ".forge_ckpt.lease"

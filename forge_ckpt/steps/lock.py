@@ -185,7 +185,7 @@ class Lease:
             # A damaged lease is an error, never expired: taking the folder over it would
             # count every COMMIT (a stale writer's too) and drop the fence.
             holder = layout.parse_lease(current[0], self.store.where(LEASE)) if current else {}
-            if current is not None and _is_live(holder, self.clock() - self.clock_skew_s):
+            if current is not None and _is_live(holder, self.clock(), self.clock_skew_s):
                 raise CheckpointLockedError(
                     f"checkpoint folder {self.store.url} is in use by {_describe(holder)}; "
                     "stop that job or use another folder (if it is dead, its lease "
@@ -341,7 +341,11 @@ class Lease:
         says so: nobody took the folder, I7, but no write of this job can be fenced)."""
         current = self.store.read_tagged(LEASE)
         where = self.store.where(LEASE)
-        who = _describe(layout.parse_lease(current[0], where)) if current else "nobody (it was deleted)"
+        who = (
+            _describe(layout.parse_lease(current[0], where))
+            if current
+            else "nobody (it was deleted)"
+        )
         self._lost = (
             f"lost the lease on {self.store.url} (generation {self.generation}): it was "
             f"taken over by {who}; this job must stop writing the folder"
@@ -405,14 +409,17 @@ def _same_process_table(holder: dict[str, Any]) -> bool:
     )
 
 
-def _is_live(holder: dict[str, Any], now: float) -> bool:
+def _is_live(holder: dict[str, Any], now: float, skew: float) -> bool:
+    """Whether `holder` still holds the lease at `now` on our clock; `skew`: how far another
+    machine's clock, on which its expiry was computed, may be behind ours."""
     try:
         expires = float(holder.get("expires", 0))
     except (TypeError, ValueError):
         return False
-    if not holder or holder.get("released") or expires < now:
+    here = _same_process_table(holder)  # this machine: one clock, no skew
+    if not holder or holder.get("released") or expires < now - (0.0 if here else skew):
         return False
-    if _same_process_table(holder):
+    if here:
         pid = int(holder["pid"])
         if pid == os.getpid() and holder.get("pid_start") == _proc_start(pid):
             # this process knows which of its leases live
