@@ -333,3 +333,56 @@ async def test_a_damaged_lease_is_a_corrupt_lease_not_a_take_over(tmp_path):
             job(tmp_path, clock, "host-c", lease_ttl_s=30.0, keep_last=None)
     finally:
         b.close()
+
+
+def _slow_renewal_gate(op: str, key: str, mutates: bool) -> str:
+    """Armed: the next lease PUT is answered 40 s after it was sent; the abort's batch delete
+    of step-1 is held while the successor tries to take over (it lands within its bound)."""
+    S3["log"].append((op, key))
+    if not S3.get("armed"):
+        return "ok"
+    if op == "put_object" and key.endswith(".forge_ckpt.lease") and not S3.get("renewed"):
+        S3["renewed"] = True
+        S3["clock"].t += 40.0
+    held: Hold = S3["held"]
+    if op == "delete_objects" and "/step-1/" in key and not held.entered.is_set():
+        held.entered.set()
+        assert held.go.wait(WAIT_S), "the held delete was never let go"
+    return "ok"
+
+
+async def test_s3_a_slow_renewal_is_renewed_again_before_the_delete():
+    """Review 3, claim 4 on S3: the abort's fresh renewal PUT was answered 40 s after it was
+    sent and counted as fresh; the delete sent next (20 s in flight, within the bound) landed
+    after the expiry written at the renewal's send, and removed the successor's step 1. Now
+    the slow renewal is renewed again before the delete: the successor is refused while the
+    delete is in flight, and keeps what it commits once it takes over."""
+    clock = _s3(_slow_renewal_gate)
+    held: Hold = S3["held"]
+    a = s3_job(clock, "host-a")
+    a.register("c0", Handle(FailingWrite(1)))
+    clock.t += 5.0  # the save's checks do not renew (ttl/3 = 10 s); the abort's fresh one does
+    S3["armed"] = True
+    a_save = asyncio.ensure_future(a.save(1))
+    b = None
+    try:
+        await held.reached()
+        clock.t += 20.0  # the delete is 20 s in flight: past the slow renewal's expiry
+        with pytest.raises(CheckpointLockedError):
+            s3_job(clock, "host-b")
+        held.go.set()
+        with pytest.raises(CheckpointError):
+            await a_save
+        clock.t += 60.0  # A's lease (renewed again before its delete) expired
+        b = s3_job(clock, "host-b")
+        b.register("c0", Handle(bcomp := Comp()))
+        for step in (1, 2):
+            bcomp.version = 200 + step
+            assert (await b.save(step)).committed
+        bcomp.version = 0
+        assert (await b.load(step=1)).step == 1 and bcomp.version == 201
+        assert b.steps() == [1, 2]
+    finally:
+        held.go.set()
+        if b is not None:
+            b.close()
