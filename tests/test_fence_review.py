@@ -5,6 +5,7 @@ S3 server: every held call stands for a request in flight within S3's call bound
 from __future__ import annotations
 
 import asyncio
+import itertools
 import threading
 from typing import Any
 
@@ -31,6 +32,7 @@ from forge_ckpt.storage.s3 import S3Storage
 pytestmark = pytest.mark.usefixtures("held_rules")
 
 S3: dict[str, Any] = {}  # the running S3 test's in-memory client, clock, holds and log
+_BUCKETS = itertools.count()
 
 
 class FenceS3(S3Storage):
@@ -59,13 +61,16 @@ def _s3(gate: Any) -> Clock:
 
     S3.clear()
     S3["held"], S3["held2"], S3["log"] = Hold(), Hold(), []
+    S3["bucket"] = f"bkt{next(_BUCKETS)}"  # open_storage caches a storage per folder URL
     S3["client"] = Client(Bucket(), gate)
     S3["clock"] = clock = Clock()
     return clock
 
 
 def s3_job(clock: Clock, host: str, **kw: Any) -> CheckpointCoordinator:
-    cfg = CheckpointConfig(folder="fences3://bkt/runs/exp1", lease_ttl_s=30.0, keep_last=None, **kw)
+    cfg = CheckpointConfig(
+        folder=f"fences3://{S3['bucket']}/runs/exp1", lease_ttl_s=30.0, keep_last=None, **kw
+    )
     identity = {"host": host, "pid": 1, "pid_start": "1"}
     return CheckpointCoordinator(
         cfg, runtime=Runtime(wall=clock, lease_thread=False, identity=identity)
