@@ -21,6 +21,7 @@ from .coordination.results import LoadResult, SaveResult  # noqa: E402
 from .errors import (  # noqa: E402
     CheckpointCorruptError,
     CheckpointError,
+    CheckpointLeaseCorruptError,
     CheckpointLockedError,
     CheckpointMismatchError,
     CheckpointSaveError,
@@ -36,6 +37,7 @@ __all__ = [
     "CheckpointCoordinator",
     "CheckpointCorruptError",
     "CheckpointError",
+    "CheckpointLeaseCorruptError",
     "CheckpointLockedError",
     "CheckpointMismatchError",
     "CheckpointSaveError",

@@ -34,6 +34,9 @@ class CheckpointConfig:
         environment and config files. Never printed.
     lease_ttl_s: how long the folder's lease lasts without renewal; a dead job on another
         machine blocks the folder at most this long (on this machine: not at all).
+    max_clock_skew_s: how far the clocks of two machines that share the folder may be apart;
+        another machine's lease counts as live until its expiry plus this much (the fence
+        relies on it, docs/protocol.md "Fault model"), so a dead job blocks that much longer.
     keep_last / keep_every: retention; `keep_last=None` keeps everything.
     async_mode: "sync" blocks `save()` until the commit; "deferred" (the stall-free cut)
         returns once every snapshot call is submitted: actors snapshot before any later call
@@ -82,6 +85,7 @@ class CheckpointConfig:
     fingerprint: str | None = None
     storage_options: dict[str, Any] = field(default_factory=dict, repr=False)
     lease_ttl_s: float = 60.0
+    max_clock_skew_s: float = 5.0
     abort_timeout_s: float = 60.0
     digest: Literal["blake3", "sha256"] | None = None
     signing_key: str | bytes | None = field(default=None, repr=False)
@@ -120,6 +124,11 @@ class CheckpointConfig:
             <= 0
         ):
             raise ValueError("timeouts must be positive")
+        if self.max_clock_skew_s < 0:
+            raise ValueError(
+                f"max_clock_skew_s must be >= 0 (seconds two machines' clocks may differ), "
+                f"got {self.max_clock_skew_s}"
+            )
         if self.memory_every not in (0, 1):
             raise ValueError(
                 f"memory_every must be 0 (off) or 1 (every save), got {self.memory_every}"

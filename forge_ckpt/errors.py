@@ -60,6 +60,27 @@ class CheckpointLockedError(CheckpointError):
     """Another live process holds the checkpoint folder."""
 
 
+class CheckpointLeaseCorruptError(CheckpointError):
+    """The folder's lease (its writer and its commit record) is damaged.
+
+    Not a `CheckpointCorruptError` on purpose: the lease is the record of which steps are
+    committed, so `fallback` must never move a good step aside because of it, and no reader
+    may count every `COMMIT` instead (a writer that had lost the lease may have left one)."""
+
+    def __init__(self, path: str, problem: str) -> None:
+        self.path, self.problem = path, problem
+        super().__init__(
+            f"{path}: the folder's lease is damaged ({problem}). It is the folder's commit "
+            "record and its fence: no step can be told committed from it, and no job may take "
+            "the folder over it. Stop every job that writes this folder, check its steps "
+            "(`forge-ckpt list`; a COMMIT of a job that lost the lease would count again), "
+            "then delete this file: the next job records every COMMIT present"
+        )
+
+    def __reduce__(self):
+        return (type(self), (self.path, self.problem))
+
+
 class NotSerializableError(CheckpointError, TypeError):
     """A value in an actor's state cannot be stored; raised before anything is written."""
 

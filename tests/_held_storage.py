@@ -143,6 +143,7 @@ def job(folder: Any, wall: Callable[[], float], host: str, **kw: Any) -> Checkpo
     job that it is gone. The test renews its lease (no renewal thread)."""
     identity = {"host": host, "pid": 1, "pid_start": "1"}
     runtime = Runtime(wall=wall, lease_thread=False, identity=identity)
+    kw.setdefault("max_clock_skew_s", 0.0)  # the jobs share the test's one clock
     return CheckpointCoordinator(held_config(folder, **kw), runtime=runtime)
 
 

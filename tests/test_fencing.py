@@ -273,7 +273,7 @@ def test_a_lease_without_a_record_accepts_every_commit_present(tmp_path):
     for step in (1, 2):
         commit_step(store, write_step(store, None, step, "old"))
     now = Clock().now
-    old = {"owner": "o", "host": "h", "pid": 1, "started": now, "expires": now - 1,
+    old = {"owner": "o", "host": "h", "pid": 1, "started": now, "expires": now - 60,
            "generation": 7, "released": False}  # fmt: skip
     with open(os.path.join(folder, layout.LEASE), "w") as f:
         json.dump(old, f)
@@ -337,7 +337,7 @@ def test_same_hostname_other_container_is_live_until_expiry(tmp_path, other):
     store = open_storage(str(tmp_path))
     with pytest.raises(CheckpointLockedError, match="is in use by host"):
         Lease(store, clock=clock, renew_in_background=False).acquire()
-    clock.advance(601)
+    clock.advance(610)  # past its expiry plus the clock-skew allowance (lock.MAX_CLOCK_SKEW_S)
     lease = start(store, clock)
     assert lease.generation == 4
     lease.release()

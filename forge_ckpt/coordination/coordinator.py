@@ -57,6 +57,7 @@ class CheckpointCoordinator:
             renew_in_background=runtime.lease_thread,
             identity=runtime.identity,
             lock=runtime.lock,
+            clock_skew_s=config.max_clock_skew_s,
         )
         self._calls = LeasedCalls(self._lease, self._release)  # close() never cuts one
         self._under_lease = self._calls.run

@@ -29,7 +29,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import CheckpointCorruptError, InvalidNameError
+from ..errors import CheckpointCorruptError, CheckpointLeaseCorruptError, InvalidNameError
 from ..storage import FileRecord, Storage, crc32c_of_bytes, join, open_storage
 from .signing import Signer
 
@@ -213,6 +213,30 @@ def marker_generation(marker: bytes | bytearray) -> int | None:
         return None
 
 
+def seal_lease(body: Mapping[str, Any]) -> bytes:
+    """The lease object's bytes: its fields, then the CRC32C of their JSON (one damaged byte
+    must read as a damaged lease, never as another holder, an expiry or a record)."""
+    text = json.dumps(dict(body))
+    return json.dumps({**body, "crc32c": crc32c_of_bytes(text.encode())}).encode()
+
+
+def parse_lease(data: bytes | bytearray, where: str) -> dict[str, Any]:
+    """A lease object's fields; CheckpointLeaseCorruptError if it does not parse, or its
+    CRC32C (written since the lease has one) does not match, or its record is malformed."""
+    try:
+        lease = json.loads(data)
+    except ValueError as e:
+        raise CheckpointLeaseCorruptError(where, f"not JSON: {e}") from None
+    if not isinstance(lease, dict):
+        raise CheckpointLeaseCorruptError(where, "not a JSON object")
+    crc = lease.pop("crc32c", None)
+    if crc is not None and crc != crc32c_of_bytes(json.dumps(lease).encode()):
+        raise CheckpointLeaseCorruptError(where, "its checksum does not match its content")
+    if "committed" in lease and parse_record(lease) is None:
+        raise CheckpointLeaseCorruptError(where, "its commit record is malformed")
+    return lease
+
+
 def parse_record(lease: Mapping[str, Any]) -> dict[int, int | None] | None:
     """The commit record of a parsed lease (step -> generation of its COMMIT, None: any);
     None if the lease has none."""
@@ -230,8 +254,9 @@ class Fence:
     """Which COMMIT markers count, as the folder's lease recorded them when it was read.
 
     `record`: step -> lease generation of the COMMIT that committed it (None: whichever is
-    there). None: the folder has no record (no lease, an unreadable one, or one written by a
-    release before the record existed): every COMMIT counts."""
+    there). None: the folder has no record (no lease, or one written by a release before
+    the record existed): every COMMIT counts. A damaged lease is an error, never "no
+    record"."""
 
     record: Mapping[int, int | None] | None = None
 
@@ -266,16 +291,15 @@ NOT_COMMITTED_HINT = (
 
 
 def read_fence(folder: str | Storage) -> Fence:
-    """The folder's commit record, read from its lease now."""
+    """The folder's commit record, read from its lease now. A damaged lease raises
+    CheckpointLeaseCorruptError: counting every COMMIT instead would admit the late markers
+    of writers that had lost the lease."""
+    store = as_storage(folder)
     try:
-        data = as_storage(folder).read(LEASE)
+        data = store.read(LEASE)
     except FileNotFoundError:
         return Fence()
-    try:
-        lease = json.loads(data)
-    except ValueError:
-        return Fence()
-    return Fence(parse_record(lease) if isinstance(lease, dict) else None)
+    return Fence(parse_record(parse_lease(data, store.where(LEASE))))
 
 
 def _counts(store: Storage, step: int, fence: Fence) -> bool:

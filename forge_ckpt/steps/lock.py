@@ -34,7 +34,7 @@ record, so the next job takes it at once.
 from __future__ import annotations
 
 import contextvars
-import json
+import errno
 import logging
 import os
 import socket
@@ -45,8 +45,8 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from ..errors import CheckpointLockedError
-from ..storage import AlreadyExistsError, PreconditionFailedError, Storage
+from ..errors import CheckpointLeaseCorruptError, CheckpointLockedError
+from ..storage import AlreadyExistsError, PreconditionFailedError, Storage, StorageError
 from . import layout
 from .layout import LEASE
 
@@ -84,6 +84,10 @@ def _pid_ns() -> int | None:
 # two coordinators of one process on one folder (a test, the simulation) each use their own.
 # A renewal this recent counts as fresh: a call sent now lands within its bound of it.
 FRESH_S = 1.0
+# A lease written by another machine counts as live until its expiry plus this much on the
+# reader's clock: the expiry was computed on the writer's clock. The fence's margin (TTL -
+# call bound - FRESH_S) is then kept with the two clocks up to this far apart (docs/protocol.md).
+MAX_CLOCK_SKEW_S = 5.0
 
 CURRENT: contextvars.ContextVar[Lease | None] = contextvars.ContextVar(
     "forge_ckpt_lease", default=None
@@ -111,14 +115,18 @@ class Lease:
         renew_in_background: bool = True,
         identity: dict[str, Any] | None = None,
         lock: Callable[[], Any] = threading.Lock,
+        clock_skew_s: float = MAX_CLOCK_SKEW_S,
     ) -> None:
         """`clock` decides every expiry (a simulation passes its own); without
         `renew_in_background` no thread is started and the caller renews; `identity`
         stands for this machine's host, pid, boot and pid namespace in the lease (the
         simulation's processes each have their own); `lock` makes its mutex (held across
-        storage calls)."""
+        storage calls); `clock_skew_s`: how far another machine's clock may be from ours."""
+        if clock_skew_s < 0:
+            raise ValueError(f"max_clock_skew_s must be >= 0, got {clock_skew_s}")
         self.store = store
         self.ttl_s = ttl_s
+        self.clock_skew_s = clock_skew_s
         self.clock = clock
         self.generation = 0
         self.committed: dict[int, int | None] = {}  # the record: step -> its COMMIT's generation
@@ -127,7 +135,7 @@ class Lease:
         self._owner = uuid.uuid4().hex
         self._started = clock()
         self._tag: str | None = None
-        self._renewed = 0.0  # clock() of the last successful write
+        self._renewed = 0.0  # clock() when the last successful write was sent (its expiry's base)
         # Writes whose outcome is unknown (storage errors) since the last one known to land:
         # any of them may be what the folder now holds.
         self._unsure: list[bytes] = []
@@ -148,7 +156,7 @@ class Lease:
 
     def _content(self, generation: int, expires: float, released: bool = False) -> bytes:
         pid = os.getpid()
-        return json.dumps(
+        return layout.seal_lease(
             {
                 "owner": self._owner,
                 **(
@@ -168,14 +176,16 @@ class Lease:
                 "released": released,
                 "committed": {str(s): c for s, c in sorted(self.committed.items())},
             }
-        ).encode()
+        )
 
     def acquire(self) -> None:
         """Take the lease or raise CheckpointLockedError naming its live holder."""
         for _ in range(3):
             current = self.store.read_tagged(LEASE)
-            holder = _parse(current[0]) if current is not None else {}
-            if current is not None and _is_live(holder, self.clock()):
+            # A damaged lease is an error, never expired: taking the folder over it would
+            # count every COMMIT (a stale writer's too) and drop the fence.
+            holder = layout.parse_lease(current[0], self.store.where(LEASE)) if current else {}
+            if current is not None and _is_live(holder, self.clock(), self.clock_skew_s):
                 raise CheckpointLockedError(
                     f"checkpoint folder {self.store.url} is in use by {_describe(holder)}; "
                     "stop that job or use another folder (if it is dead, its lease "
@@ -184,7 +194,8 @@ class Lease:
             gen = _generation(holder) + 1
             record = layout.parse_record(holder)  # listed after the read: see the docstring
             self.committed = layout.record_of_markers(self.store) if record is None else record
-            data = self._content(gen, self._expiry())
+            sent = self.clock()
+            data = self._content(gen, sent + self.ttl_s)
             try:
                 if current is None:
                     tag = self.store.create(LEASE, data)
@@ -195,7 +206,7 @@ class Lease:
                 if mine is None:
                     continue  # another job moved first: look again
                 tag = mine
-            self._tag, self.generation, self._renewed = tag, gen, self.clock()
+            self._tag, self.generation, self._renewed = tag, gen, sent
             self._lost, self._written = None, set(self.committed)
             _LEASES.add(self)
             self._start_renewals()
@@ -203,9 +214,6 @@ class Lease:
         raise CheckpointLockedError(
             f"checkpoint folder {self.store.url}: lost every race for the lease"
         )
-
-    def _expiry(self) -> float:
-        return self.clock() + self.ttl_s
 
     def _start_renewals(self) -> None:
         self._stop.clear()
@@ -219,8 +227,11 @@ class Lease:
     def _renew_loop(self) -> None:
         while not self._stop.wait(self.ttl_s / 3):
             try:
-                self.renew()
-            except CheckpointLockedError as e:
+                with self._mutex:
+                    if self._stop.is_set():  # released meanwhile: write nothing more
+                        return
+                    self._write()
+            except (CheckpointLockedError, CheckpointLeaseCorruptError) as e:
                 log.error("%s", e)
                 return
             except OSError as e:  # storage unreachable: keep trying until the lease expires
@@ -236,11 +247,23 @@ class Lease:
         renewal is older than `ttl/3` (a holder that stalled learns now that it was taken over).
         `fresh`: renew now, before a call that removes or moves files: such a call may land as
         late as the storage's call bound after it is sent, and must land while the lease
-        still holds (a bound under the TTL, counted from this renewal, not from an older one)."""
+        still holds (a bound under the TTL, counted from this renewal, not from an older one).
+        A renewal counts from when it was sent (the expiry it wrote): one whose reply came
+        late is not fresh, and is renewed again (three tries, then a StorageError)."""
         with self._mutex:
             self._check_held()
-            if self.clock() - self._renewed >= (FRESH_S if fresh else self.ttl_s / 3):
+            limit = FRESH_S if fresh else self.ttl_s / 3
+            for _ in range(3 if fresh else 1):
+                if self.clock() - self._renewed < limit:
+                    return
                 self._write()
+            if fresh and self.clock() - self._renewed >= limit:
+                raise StorageError(
+                    errno.ETIMEDOUT,
+                    f"{self.store.where(LEASE)}: three renewals of the lease in a row were "
+                    f"answered more than {FRESH_S} s after they were sent: too slow to fence a "
+                    "removal, so nothing is removed (the folder's holder removes leftovers)",
+                )
 
     def record(self, step: int, generation: int) -> None:
         """Record `step`'s COMMIT (of lease `generation`) in the lease: the commit point.
@@ -278,7 +301,8 @@ class Lease:
     def _write(self) -> None:
         """Replace the lease with this holder's current content (mutex held)."""
         self._check_held()
-        data = self._content(self.generation, self._expiry())
+        sent = self.clock()  # the expiry counts from here, and so does the renewal
+        data = self._content(self.generation, sent + self.ttl_s)
         try:
             tag = self.store.replace(LEASE, data, self._tag)  # type: ignore[arg-type]
         except PreconditionFailedError:
@@ -291,7 +315,7 @@ class Lease:
             self._unsure.append(data)
             self._written |= set(self.committed)
             raise
-        self._tag, self._unsure, self._renewed = tag, [], self.clock()
+        self._tag, self._unsure, self._renewed = tag, [], sent
         self._written = set(self.committed)
 
     def _own_write(self, data: bytes) -> str | None:
@@ -313,8 +337,15 @@ class Lease:
         return None
 
     def _lose(self) -> None:
+        """The lease changed under this holder: taken over, or damaged (then an error that
+        says so: nobody took the folder, I7, but no write of this job can be fenced)."""
         current = self.store.read_tagged(LEASE)
-        who = _describe(_parse(current[0])) if current else "nobody (it was deleted)"
+        where = self.store.where(LEASE)
+        who = (
+            _describe(layout.parse_lease(current[0], where))
+            if current
+            else "nobody (it was deleted)"
+        )
         self._lost = (
             f"lost the lease on {self.store.url} (generation {self.generation}): it was "
             f"taken over by {who}; this job must stop writing the folder"
@@ -322,32 +353,41 @@ class Lease:
 
     def release(self) -> None:
         """Mark the lease released (the next job takes it at once); keeps the generation and
-        the record. If that write fails (a read-only disk), this process still knows the lease
-        is free."""
+        the record. Never blocks: with a renewal in flight (its mutex held across a storage
+        call that may hang), the release is written by a thread once that renewal ends; the
+        renewal thread writes nothing after this. This process counts the lease as free at
+        once, and still does if the write fails (a read-only disk)."""
         _LEASES.discard(self)
         self._stop.set()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout=5)
         self._thread = None
+        if self._mutex.acquire(blocking=False):
+            try:
+                self._write_release()
+            finally:
+                self._mutex.release()
+        elif self._background:
+            threading.Thread(
+                target=self._release_later, daemon=True, name="forge-ckpt-lease-release"
+            ).start()
+        else:  # a caller-renewed lease (the simulation): its lock waits without blocking
+            self._release_later()
+
+    def _release_later(self) -> None:
         with self._mutex:
-            if self._tag is not None and self._lost is None:
-                data = self._content(self.generation, self.clock(), released=True)
-                try:
-                    self.store.replace(LEASE, data, self._tag)
-                except PreconditionFailedError as e:
-                    if self._own_write(data) is None:
-                        log.warning("could not release the lease on %s: %s", self.store.url, e)
-                except OSError as e:
+            self._write_release()
+
+    def _write_release(self) -> None:
+        """Write the released lease (mutex held)."""
+        if self._tag is not None and self._lost is None:
+            data = self._content(self.generation, self.clock(), released=True)
+            try:
+                self.store.replace(LEASE, data, self._tag)
+            except PreconditionFailedError as e:
+                if self._own_write(data) is None:
                     log.warning("could not release the lease on %s: %s", self.store.url, e)
-            self._tag = None
-
-
-def _parse(data: bytes) -> dict[str, Any]:
-    try:
-        d = json.loads(data)
-        return d if isinstance(d, dict) else {}
-    except ValueError:
-        return {}  # unreadable: treated as expired
+            except OSError as e:
+                log.warning("could not release the lease on %s: %s", self.store.url, e)
+        self._tag = None
 
 
 def _generation(holder: dict[str, Any]) -> int:
@@ -369,14 +409,17 @@ def _same_process_table(holder: dict[str, Any]) -> bool:
     )
 
 
-def _is_live(holder: dict[str, Any], now: float) -> bool:
+def _is_live(holder: dict[str, Any], now: float, skew: float) -> bool:
+    """Whether `holder` still holds the lease at `now` on our clock; `skew`: how far another
+    machine's clock, on which its expiry was computed, may be behind ours."""
     try:
         expires = float(holder.get("expires", 0))
     except (TypeError, ValueError):
         return False
-    if not holder or holder.get("released") or expires < now:
+    here = _same_process_table(holder)  # this machine: one clock, no skew
+    if not holder or holder.get("released") or expires < now - (0.0 if here else skew):
         return False
-    if _same_process_table(holder):
+    if here:
         pid = int(holder["pid"])
         if pid == os.getpid() and holder.get("pid_start") == _proc_start(pid):
             # this process knows which of its leases live

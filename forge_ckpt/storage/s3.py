@@ -22,19 +22,19 @@ from typing import Any
 
 from ..errors import CheckpointCorruptError
 from .base import (
-    ANOTHER,
     AlreadyExistsError,
-    Checksums,
     FileRecord,
     PreconditionFailedError,
     Storage,
     StorageError,
     StorageSpec,
-    Writer,
     before_delete,
     fault,
     join,
 )
+from .s3_writer import S3Writer, _wait_all
+
+__all__ = ["S3Storage", "S3Writer", "call_bound_s", "parse_url"]
 
 OPTIONS = {
     "endpoint_url": None,
@@ -272,6 +272,7 @@ class S3Storage(Storage):
 
     # ---- deleting and moving ---------------------------------------------------------------
     def delete(self, path: str) -> None:
+        before_delete()  # what came before (a move's copies) may have taken long
         self._call("write", path, self.client.delete_object, Key=self.key(path))
 
     def delete_prefix(self, prefix: str) -> None:
@@ -294,7 +295,13 @@ class S3Storage(Storage):
         uploads = self._uploads(prefix)
         if not self.folder_key(prefix):
             uploads = [u for u in uploads if _ours_at_root(u["Key"])]
-        _wait_all([self.pool.submit(self._abort, prefix, u["Key"], u["UploadId"]) for u in uploads])
+        n = int(self.opts["max_concurrency"])
+        for i in range(0, len(uploads), n):
+            # Fenced like a delete: a listing answered after a take-over names the uploads
+            # of the successor's save in progress.
+            before_delete()
+            _wait_all([self.pool.submit(self._abort, prefix, u["Key"], u["UploadId"])
+                       for u in uploads[i : i + n]])  # fmt: skip
         return len(uploads)
 
     def _uploads(self, prefix: str) -> builtins.list[dict[str, Any]]:
@@ -387,102 +394,6 @@ def _ours_at_root(key: str) -> bool:
 
     top = key.split("/", 1)[0]
     return parse_step(top) is not None or top == QUARANTINE
-
-
-class S3Writer(Writer):
-    """Buffers up to one part; small objects are one PUT, large ones a parallel multipart
-    upload with at most `max_concurrency` parts in flight (bounded memory)."""
-
-    def __init__(self, store: S3Storage, path: str, exclusive: bool = False) -> None:
-        self.store, self.path, self.exclusive = store, path, exclusive
-        self._buf = bytearray()
-        self._sums = Checksums(store.digest)
-        self._upload_id: str | None = None
-        self._parts: list[Future] = []
-        self._slots = threading.Semaphore(int(store.opts["max_concurrency"]))
-
-    def write(self, data: Any) -> None:
-        mv = memoryview(data).cast("B")
-        self._sums.update(mv)
-        part = self.store.part_size
-        while len(mv):
-            take = min(part - len(self._buf), len(mv))
-            self._buf += mv[:take]
-            mv = mv[take:]
-            if len(self._buf) >= part:
-                self._send_part()
-
-    def _send_part(self) -> None:
-        s = self.store
-        if self._upload_id is None:
-            r = s._call("write", self.path, s.client.create_multipart_upload, Key=s.key(self.path))
-            self._upload_id = r["UploadId"]
-        data, self._buf = bytes(self._buf), bytearray()
-        self._slots.acquire()
-        number = len(self._parts) + 1
-        self._parts.append(s.pool.submit(self._upload, number, data))
-
-    def _upload(self, number: int, data: bytes) -> dict:
-        s = self.store
-        try:
-            r = s._call("write", self.path, s.client.upload_part, Key=s.key(self.path),
-                        UploadId=self._upload_id, PartNumber=number, Body=data)  # fmt: skip
-            return {"PartNumber": number, "ETag": r["ETag"]}
-        finally:
-            self._slots.release()
-
-    def close(self) -> FileRecord:
-        s = self.store
-        cond = {"IfNoneMatch": "*"} if self.exclusive else {}
-        try:
-            if self._upload_id is None:
-                s._call("write", self.path, s.client.put_object, Key=s.key(self.path),
-                        Body=bytes(self._buf), **cond)  # fmt: skip
-            else:
-                if self._buf:
-                    self._send_part()
-                parts = _wait_all(self._parts)
-                s._call("write", self.path, s.client.complete_multipart_upload,
-                        Key=s.key(self.path), UploadId=self._upload_id,
-                        MultipartUpload={"Parts": parts}, **cond)  # fmt: skip
-        except PreconditionFailedError:
-            self._check_own()
-        self._buf = bytearray()
-        return self._sums.record(self.path)
-
-    def _check_own(self) -> None:
-        """After a 412 on an exclusive write: the object holds exactly these bytes (our own
-        try whose reply was lost, retried), or another writer made it first."""
-        try:
-            self.store.verify(self.path, self._sums.record(self.path))
-        except (CheckpointCorruptError, FileNotFoundError):
-            raise AlreadyExistsError(
-                errno.EEXIST, f"{self.store.where(self.path)} already exists: {ANOTHER}"
-            ) from None
-
-    def abort(self) -> None:
-        for f in self._parts:
-            f.cancel()
-        if self._upload_id is not None:
-            s = self.store
-            try:
-                s.client.abort_multipart_upload(
-                    Bucket=s.bucket, Key=s.key(self.path), UploadId=self._upload_id
-                )
-            except Exception:  # the save's own error matters more; leftovers are aborted at start
-                pass
-            self._upload_id = None
-        self._buf = bytearray()
-
-
-def _wait_all(futures: list[Future]) -> list[Any]:
-    """Results in order; on the first failure cancel the rest and raise it."""
-    try:
-        return [f.result() for f in futures]
-    except BaseException:
-        for f in futures:
-            f.cancel()
-        raise
 
 
 def _translate(e: Exception, what: str, where: str, opts: dict[str, Any]) -> Exception:
