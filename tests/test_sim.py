@@ -88,3 +88,21 @@ def test_it_finds_a_late_commit_when_readers_ignore_the_lease_record():
     Such a schedule is rarer than the others (the first is seed 1430)."""
     line = first_violation_with("fix8")
     assert any(f": {i} " in line for i in ("I1", "I2", "I3", "I7")), line
+
+
+@pytest.mark.timeout(600)
+def test_workers_report_what_one_process_reports():
+    """Seeds run by two workers in blocks give the same violations, in seed order, each with
+    its replay command, as one process running them in turn (each seed is hermetic)."""
+    out = []
+    for jobs in ("1", "2"):
+        cmd = [sys.executable, "-m", "forge_ckpt.sim", "--seeds", "60", "--revert", "fix2",
+               "--jobs", jobs]  # fmt: skip
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=500, env=ENV)
+        assert done.returncode == 1, done.stdout + done.stderr
+        out.append([line for line in done.stdout.splitlines() if "schedules in" not in line])
+    assert out[0] == out[1]
+    seeds = [int(line.split()[1].rstrip(":")) for line in out[0] if line.startswith("seed ")]
+    assert len(seeds) == 5 and seeds == sorted(seeds)
+    for s in seeds:
+        assert f"  replay: python -m forge_ckpt.sim --seed {s} --trace" in out[0]

@@ -19,6 +19,7 @@ from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from multiprocessing import get_context
+from typing import Any
 
 from .scenario import run_seed
 
@@ -75,11 +76,22 @@ def _hung(seed: int) -> None:
     os._exit(2)
 
 
+_STOP: Any = None  # in a worker: set once the caller needs no more results
+
+
+def _start_worker(setup: Callable[[], None], stop: Any) -> None:
+    global _STOP
+    _STOP = stop
+    setup()
+
+
 def run_block(seeds: range, hang_s: float, trace: bool, verbose: bool) -> list[Result]:
     """Run `seeds` in this process, in order, under the watchdog."""
     _Watchdog.start(hang_s)
     out = []
     for seed in seeds:
+        if _STOP is not None and _STOP.is_set():
+            break  # the caller stopped (a violation): what this block ran is not read
         print(f"seed {seed}", file=sys.stderr, flush=True) if verbose else None
         _Watchdog.current = (seed, time.monotonic())
         o = run_seed(seed)
@@ -100,7 +112,9 @@ def results(
         return
     blocks = [seeds[i : i + BLOCK] for i in range(0, len(seeds), BLOCK)]
     # fork: the workers start at once with the imports done; each runs `setup` itself.
-    pool = ProcessPoolExecutor(jobs, get_context("fork"), initializer=setup)
+    ctx = get_context("fork")
+    stop = ctx.Event()
+    pool = ProcessPoolExecutor(jobs, ctx, initializer=_start_worker, initargs=(setup, stop))
     try:
         futures: list[Future] = [pool.submit(run_block, b, hang_s, trace, verbose) for b in blocks]
         for fut in futures:
@@ -109,4 +123,5 @@ def results(
             except BrokenProcessPool as e:
                 raise Hung("a worker ended without answering (see the hung seed above)") from e
     finally:
+        stop.set()  # the blocks running end at their next seed; the queued ones never start
         pool.shutdown(wait=True, cancel_futures=True)
