@@ -96,6 +96,16 @@ def _where(name: str, path: tuple | None) -> str:
     return f"{name}: state" + "".join(f"[{p}]" for p in reversed(parts))
 
 
+def _plain_ints(seq: list | tuple) -> bool:
+    """Every item an int that msgpack packs as itself (what `_Encoder.int` packs directly)."""
+    return (
+        len(seq) > 8
+        and set(map(type, seq)) == {int}
+        and _INT_MIN <= min(seq)
+        and max(seq) <= _INT_MAX
+    )
+
+
 class _Encoder:
     """One iterative walk that validates the tree, packs the header and collects the blobs."""
 
@@ -152,6 +162,11 @@ class _Encoder:
                 self.packer.pack_map_header(len(obj))
                 stack.append((iter(obj.items()), path, depth + 1, True, frozen))
                 return True
+            if _plain_ints(obj):  # the same bytes, without a frame per item (an RNG state)
+                pack = self.packer.pack
+                for item in obj:
+                    pack(item)
+                return False
             stack.append((enumerate(obj), path, depth + 1, False, frozen))
             return True
         self.frozen = frozen

@@ -18,6 +18,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -48,6 +49,7 @@ class Oracle:
     retired: set[Identity] = field(default_factory=set)  # removed with a reason, when seen
     epoch: Callable[[], int] = lambda: -1  # changes whenever storage may have changed
     _cache: tuple[int, dict[Identity, layout.Manifest]] | None = None
+    _gen: tuple[int, int] | None = None  # (epoch, the lease's generation then)
 
     # ---- reading the truth ------------------------------------------------------------------
     def present(self) -> dict[Identity, int]:
@@ -62,9 +64,10 @@ class Oracle:
             return self._cache[1]
         out = {}
         for store in (self.view, self.aside):
-            for s in layout.marked_steps(store):
+            fence = layout.read_fence(store)  # once: nothing changes while the oracle reads
+            for s in layout.marked_steps(store, fence):
                 try:
-                    m = layout.read_committed(store, s)
+                    m = layout.read_committed(store, s, fence=fence)
                 except CheckpointCorruptError:
                     continue
                 out[(s, m.created)] = m
@@ -72,11 +75,15 @@ class Oracle:
         return out
 
     def lease_generation(self) -> int:
+        epoch = self.epoch()
+        if self._gen is None or self._gen[0] != epoch:
+            self._gen = (epoch, self._read_generation())
+        return self._gen[1]
+
+    def _read_generation(self) -> int:
         got = self.view.read_tagged(layout.LEASE)
         if got is None:
             return 0
-        import json
-
         try:
             return int(json.loads(got[0]).get("generation", 0))
         except ValueError:
@@ -167,8 +174,9 @@ class Oracle:
                     f"step(s) (keep_last={self.keep_last})",
                 )
             self.retired.add(ident)  # judged when it went: later branches change nothing
-        listed = set(layout.committed_steps(self.view))
-        for ident in self.late & set(present):
+        late = self.late & set(present)
+        listed = set(layout.committed_steps(self.view)) if late else set()
+        for ident in late:
             if ident[0] in listed:
                 raise Violation(
                     "I3 fencing", f"step {ident[0]} landed after its writer lost the lease "

@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import itertools
 import selectors
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -76,13 +78,76 @@ class Clock:
         return EPOCH + self.now
 
 
+class _Numbered:
+    """Hashed by its creation number in the loop, not by its address: a set of tasks or
+    futures (asyncio.wait's `pending`, which the coordinator cancels one by one) iterates in
+    the same order in every process, whatever that process ran before (a seed run by a
+    worker after other seeds replays the same alone)."""
+
+    _n: int
+
+    def __hash__(self) -> int:
+        return self._n
+
+
+class _Task(_Numbered, asyncio.Task):
+    def __init__(self, coro: Any, *, loop: SimLoop, context: Any = None) -> None:
+        self._n = next(loop.numbers)  # first: the task is hashed as it registers itself
+        super().__init__(coro, loop=loop, context=context)  # type: ignore[call-arg]
+
+
+class _Future(_Numbered, asyncio.Future):
+    def __init__(self, *, loop: SimLoop) -> None:
+        self._n = next(loop.numbers)
+        super().__init__(loop=loop)
+
+
+class _Refs(dict):
+    """The set of weak references of an OrderedWeakSet, in insertion order."""
+
+    def add(self, ref: Any) -> None:
+        self[ref] = None
+
+    def discard(self, ref: Any) -> None:
+        self.pop(ref, None)
+
+    def remove(self, ref: Any) -> None:
+        del self[ref]
+
+
+class OrderedWeakSet(weakref.WeakSet):
+    """A WeakSet that iterates in insertion order (a WeakSet's order follows the addresses of
+    its items, so it depends on what the process ran before): for lock._LEASES."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.data = _Refs()
+
+
 class SimLoop(asyncio.SelectorEventLoop):
     def __init__(self, clock: Clock) -> None:
         super().__init__(_Selector(clock))
         self.clock = clock
+        self.stepped: list[asyncio.Future] = []  # resolved when a SimThread runs (poll())
+        self.numbers = itertools.count()
+        self.set_task_factory(_make_task)
 
     def time(self) -> float:
         return self.clock.now
+
+    def create_future(self) -> asyncio.Future:
+        return _Future(loop=self)
+
+    def wake_pollers(self) -> None:
+        """A SimThread ran: what a poll() waits on may have changed."""
+        waiters, self.stepped = self.stepped, []
+        for fut in waiters:
+            if not fut.done():
+                fut.set_result(None)
+
+
+def _make_task(loop: Any, coro: Any, context: Any = None) -> asyncio.Task:
+    return _Task(coro, loop=loop, context=context)
 
 
 Gate = Callable[["SimThread", str], float]  # decides an operation's latency (and may raise)
@@ -96,6 +161,7 @@ class SimThread:
 
     def __init__(self, proc: Any, fn: Callable[..., Any], args: tuple, fut: asyncio.Future):
         self.proc, self._fut = proc, fut
+        self._loop = fut.get_loop()
         self._g = greenlet.greenlet(lambda: fn(*args))
         self.done = False
         self.in_op = False  # inside one storage operation (its inner calls are not gates)
@@ -113,6 +179,9 @@ class SimThread:
         except BaseException as e:  # handed to the awaiting task
             self._finish(False, e)
             return
+        finally:
+            if isinstance(self._loop, SimLoop):
+                self._loop.wake_pollers()
         if self._g.dead:
             self._finish(True, result)
 
@@ -218,6 +287,33 @@ class SimQueueLock(SimLock):
             if not fut.done():
                 fut.set_result(None)
                 return
+
+
+async def poll(cond: Callable[[], Any], every: float) -> None:
+    """`while cond(): await asyncio.sleep(every)` to the virtual tick, without running the loop
+    once per tick (a wait behind a delayed operation was tens of thousands of ticks): `cond`
+    reads state that only code run by a SimThread changes, so it is constant between two
+    SimThread steps; it is read again at the first tick after each step, the tick the
+    polling would have read it at (ticks are counted from the start as the sleeps count)."""
+    loop = asyncio.get_running_loop()
+    assert isinstance(loop, SimLoop)
+    tick = loop.time()
+    while cond():
+        fut = loop.create_future()
+        loop.stepped.append(fut)
+        await fut  # something ran: the next tick may see it
+        now = loop.time()
+        tick += every
+        while tick <= now:  # the ticks that saw nothing new
+            tick += every
+        wake = loop.create_future()
+        loop.call_at(tick, _resolve, wake)
+        await wake
+
+
+def _resolve(fut: asyncio.Future) -> None:
+    if not fut.done():
+        fut.set_result(None)
 
 
 PROC: contextvars.ContextVar[Any] = contextvars.ContextVar("forge_ckpt_sim_proc")

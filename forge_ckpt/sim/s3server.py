@@ -10,6 +10,7 @@ a retried conditional PUT then fails its precondition against its own first atte
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import io
 import itertools
@@ -37,11 +38,28 @@ class Bucket:
         self.objects: dict[str, tuple[bytes, str]] = {}
         self.uploads: dict[str, tuple[str, dict[int, bytes]]] = {}
         self._ids = itertools.count(1)
+        self._keys: list[str] | None = []  # the keys in order; None: to sort again
 
     def put(self, key: str, data: bytes) -> str:
         etag = '"' + hashlib.md5(data, usedforsecurity=False).hexdigest() + '"'
+        if key not in self.objects:
+            self._keys = None
         self.objects[key] = (bytes(data), etag)
         return etag
+
+    def delete(self, key: str) -> None:
+        if self.objects.pop(key, None) is not None:
+            self._keys = None
+
+    def keys_from(self, prefix: str, after: str) -> Iterator[str]:
+        """The keys under `prefix` greater than `after`, in order."""
+        if self._keys is None:
+            self._keys = sorted(self.objects)
+        keys = self._keys
+        i = max(bisect.bisect_left(keys, prefix), bisect.bisect_right(keys, after))
+        while i < len(keys) and keys[i].startswith(prefix):
+            yield keys[i]
+            i += 1
 
     def new_upload(self, key: str) -> str:
         uid = f"upload-{next(self._ids)}"
@@ -116,9 +134,7 @@ class Client:
         delim = kw.get("Delimiter")
         after = kw.get("ContinuationToken") or kw.get("StartAfter") or ""
         keys, prefixes = [], set()
-        for k in sorted(self.b.objects):
-            if not k.startswith(Prefix) or k <= after:
-                continue
+        for k in self.b.keys_from(Prefix, after):
             rest = k[len(Prefix) :]
             if delim and delim in rest:
                 prefixes.add(Prefix + rest.split(delim, 1)[0] + delim)
@@ -141,7 +157,7 @@ class Client:
 
     def delete_object(self, Bucket: str, Key: str) -> dict:  # noqa: N803
         outcome = self._pass("delete_object", Key, True)
-        self.b.objects.pop(Key, None)
+        self.b.delete(Key)
         self._reply(outcome)
         return {}
 
@@ -149,7 +165,7 @@ class Client:
         keys = [o["Key"] for o in Delete["Objects"]]
         outcome = self._pass("delete_objects", keys[0] if keys else "", True)
         for k in keys:
-            self.b.objects.pop(k, None)
+            self.b.delete(k)
         self._reply(outcome)
         return {"Errors": []}
 

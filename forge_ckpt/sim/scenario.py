@@ -25,8 +25,8 @@ from ..storage import Storage, open_storage
 from . import memory as simmem
 from .actors import Component, SimActor
 from .invariants import Oracle, Violation
-from .loop import Crash, Deadlock, SimLock, SimQueueLock, run_io
-from .world import PROC, Proc, World
+from .loop import Crash, Deadlock, SimLock, SimQueueLock, poll, run_io
+from .world import PROC, Proc, Trace, World
 
 TTL = 30.0
 OPEN_TRIES = 20  # consecutive failed opens that count as never
@@ -38,8 +38,12 @@ CANCEL_SAVES = float(os.environ.get("FORGE_SIM_CANCEL_SAVES", "0.1"))  # share o
 class Outcome:
     seed: int
     violation: str | None
-    trace: list[str]
+    events: Trace
     s3: bool
+
+    @property
+    def trace(self) -> list[str]:
+        return self.events.lines()
 
 
 class Job:
@@ -169,8 +173,8 @@ class Job:
                     # Its commit may go on in its thread: a real next commit would wait for
                     # it on the coordinator's commit lock, which a greenlet cannot (one OS
                     # thread): wait here for the coordinator's storage calls to end instead.
-                    while self.coord._calls.busy:
-                        await asyncio.sleep(0.001)
+                    coord = self.coord
+                    await poll(lambda: coord._calls.busy, 0.001)
                     return
             else:
                 res = await self.coord.save(step)
@@ -325,12 +329,12 @@ def _hermetic() -> None:
     """Each schedule starts as a fresh process would: no storage, lease or world of an
     earlier one (a seed's outcome must not depend on the seeds run before it)."""
     from ..storage import _open
-    from .loop import SimThread
+    from .loop import OrderedWeakSet, SimThread
     from .world import _WORLDS
 
     _open.clear()
     simmem.hermetic()
-    lock._LEASES.clear()
+    lock._LEASES = OrderedWeakSet()  # in the order taken, whatever ran before in this process
     SimThread._by_greenlet.clear()
     _WORLDS.clear()
 
@@ -347,7 +351,7 @@ def run_seed(seed: int) -> Outcome:
             violation = _run(world)
         finally:
             world.loop.close()
-        return Outcome(seed, violation, world.trace, world.s3)
+        return Outcome(seed, violation, world.events, world.s3)
 
 
 def _run(world: World) -> str | None:

@@ -15,10 +15,11 @@ import errno
 import os
 import random
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..steps.layout import MARKER
+from ..steps.layout import LEASE, MANIFEST, MARKER
 from ..storage import SCHEMES, StorageSpec
 from ..storage.local import LocalStorage
 from ..storage.s3 import S3Storage
@@ -60,6 +61,28 @@ class Proc:
         return {"host": f"sim-{self.name}", "pid": 1, "pid_start": "1"}
 
 
+class Trace:
+    """A schedule's event trace, formatted only when read: a run of many seeds reads the
+    trace of none of them, and formatting every event cost more than recording it."""
+
+    def __init__(self, clock: Clock) -> None:
+        self._clock = clock
+        self._events: list[tuple] = []  # (virtual time, line) or (virtual time, *an operation)
+
+    def add(self, line: str) -> None:
+        self._events.append((self._clock.now, line))
+
+    def op(self, who: str, op: str, path: str, outcome: str, delayed: bool) -> None:
+        self._events.append((self._clock.now, who, op, path, outcome, delayed))
+
+    def lines(self) -> list[str]:
+        return [f"{e[0]:9.4f} {e[1] if len(e) == 2 else _op_line(*e[1:])}" for e in self._events]
+
+
+def _op_line(who: str, op: str, path: str, outcome: str, delayed: bool) -> str:
+    return f"{who:10} {op} {path} {outcome}{' (delayed)' if delayed else ''}"
+
+
 class World:
     def __init__(self, seed: int, s3: bool, root: str, ttl: float) -> None:
         self.id = f"w{seed}"  # messages name it: the same seed, the same trace
@@ -72,7 +95,7 @@ class World:
         self.root = root
         self.bucket = Bucket()
         self.client = Client(self.bucket, self.gate)
-        self.trace: list[str] = []
+        self.events = Trace(self.clock)
         self.observers: list[Callable[[], None]] = []
         self.observe_next = False
         self.epoch = 0
@@ -85,8 +108,12 @@ class World:
     def folder(self) -> str:
         return f"{'sims3' if self.s3 else 'simfs'}://{self.id}/bkt/runs/exp1"
 
+    @property
+    def trace(self) -> list[str]:
+        return self.events.lines()
+
     def log(self, line: str) -> None:
-        self.trace.append(f"{self.clock.now:9.4f} {line}")
+        self.events.add(line)
 
     def kill(self, proc: Proc) -> None:
         if not proc.alive:
@@ -131,13 +158,27 @@ class World:
             outcome = "fail"
         elif mutates and r.random() < f.lost:
             outcome = "lost"
-        who = proc.name if proc is not None else "-"
-        self.log(f"{who:10} {op} {path} {outcome}{' (delayed)' if delayed else ''}")
-        if mutates and outcome != "fail":
-            self.epoch += 1  # what storage holds may have changed
+        self.events.op(proc.name if proc is not None else "-", op, path, outcome, delayed)
+        if mutates and outcome != "fail" and _may_commit(op, path):
+            self.epoch += 1  # what the oracle reads may have changed
         if mutates and outcome != "fail" and path.endswith(MARKER):
             self.observe_next = True
         return outcome
+
+
+_NO_COMMIT = {"makedirs", "create_multipart_upload", "upload_part", "upload_part_copy",
+              "abort_multipart_upload"}  # fmt: skip
+_ONE_PATH = {"writer", "create", "replace", "publish", "delete", "put_object", "copy_object",
+             "delete_object", "complete_multipart_upload"}  # fmt: skip
+
+
+def _may_commit(op: str, path: str) -> bool:
+    """Whether a write may change what the oracle reads (the lease, markers, manifests, and
+    so which steps count). Not: a folder's creation, a part, a write or removal of one data
+    file. Any other operation (on a folder, two paths, or unknown here) may."""
+    if op in _NO_COMMIT:
+        return False
+    return op not in _ONE_PATH or path.endswith((MARKER, MANIFEST, LEASE))
 
 
 def _world_of(spec: StorageSpec) -> tuple[World, str]:
@@ -172,6 +213,28 @@ class SimS3(S3Storage):
 
     def close(self) -> None:
         return None
+
+    @property
+    def pool(self) -> ThreadPoolExecutor:
+        return _INLINE
+
+
+class _Inline(ThreadPoolExecutor):
+    """S3Storage's pool in the simulation: each call runs at once, in the caller's SimThread,
+    so the copies, parts and aborts it sends in parallel pass the gate one by one, as the
+    caller's process (a real pool thread ran them outside the lockstep, and whether it
+    started the next copy before the caller cancelled it after a failure raced real time)."""
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kw: Any) -> Future:
+        fut: Future = Future()
+        try:
+            fut.set_result(fn(*args, **kw))
+        except BaseException as e:
+            fut.set_exception(e)
+        return fut
+
+
+_INLINE = _Inline(1)  # no thread is ever started: submit runs the call
 
 
 def _gated(name: str, mutates: bool, op: str | None = None) -> Callable:

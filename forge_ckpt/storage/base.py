@@ -15,6 +15,7 @@ from __future__ import annotations
 import builtins
 import contextvars
 import errno
+import functools
 import os
 import time
 from abc import ABC, abstractmethod
@@ -197,8 +198,7 @@ def fault(op: str, allow_skip: bool = True) -> bool:
     if not spec:
         return False
     skip = False
-    for item in spec.split(","):
-        want, _, code = item.partition(":")
+    for want, code in _fault_items(spec):
         if want != op:
             continue
         if code.startswith("sleep="):
@@ -209,6 +209,13 @@ def fault(op: str, allow_skip: bool = True) -> bool:
             num = getattr(errno, code or "EIO")
             raise OSError(num, f"{os.strerror(num)} (injected by FORGE_CKPT_FAULT)")
     return skip
+
+
+@functools.lru_cache(maxsize=8)
+def _fault_items(spec: str) -> tuple[tuple[str, str], ...]:
+    """FORGE_CKPT_FAULT split into (operation, code), parsed once per value (it is read at
+    every storage operation)."""
+    return tuple((want, code) for want, _, code in (i.partition(":") for i in spec.split(",")))
 
 
 def expected_algo(rec: FileRecord) -> str | None:
