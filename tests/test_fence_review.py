@@ -391,3 +391,33 @@ async def test_s3_a_slow_renewal_is_renewed_again_before_the_delete():
         held.go.set()
         if b is not None:
             b.close()
+
+
+class _Tier:
+    """What close() asks of the memory tier (the real one needs Ray holders)."""
+
+    def __init__(self) -> None:
+        self.closed = self.cancelled = False
+
+    def close(self) -> None:
+        self.closed = True
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+async def test_close_with_the_memory_tier_never_blocks_behind_a_renewal(tmp_path):
+    """Review 4: with the memory tier, close() renewed the lease (a storage call, behind the
+    lease mutex a hung renewal held) to decide whether the holders are still this job's. It
+    decides from what it knows now (a renewal sent within half a TTL), without a call."""
+    coord = CheckpointCoordinator(held_config(tmp_path, lease_ttl_s=0.3))  # renews every 0.1 s
+    coord.tier = _Tier()  # type: ignore[assignment]
+    renew = hold("replace", ".forge_ckpt.lease")
+    await renew.reached()
+    done = threading.Event()
+    closer = threading.Thread(target=lambda: (coord.close(), done.set()), daemon=True)
+    closer.start()
+    returned = await asyncio.to_thread(done.wait, WAIT_S)
+    renew.go.set()
+    assert returned, "close() blocked behind the renewal's storage call"
+    assert coord.tier.cancelled  # type: ignore[attr-defined]

@@ -77,7 +77,7 @@ class CheckpointCoordinator:
             raise
         self._groups: dict[str, Group] = {}
         self._pending: asyncio.Task | None = None
-        self._op = asyncio.Lock()  # one save or load at a time (a load changes the branch)
+        self._op_lock: tuple[Any, asyncio.Lock] | None = None  # (its loop, the lock): _op()
         self._running: set[asyncio.Future] = set()  # storage calls in their threads
         # One commit at a time per store: a persist's durable commit (seconds on S3) never
         # holds up a memory save's commit; the lease has its own lock.
@@ -100,6 +100,14 @@ class CheckpointCoordinator:
         self._running.add(call)
         call.add_done_callback(_forget_call(self._running))
         return await asyncio.shield(call)
+
+    def _op(self) -> asyncio.Lock:
+        """One save or load at a time (a load changes the branch a save acts on). One lock per
+        event loop: a coordinator may serve several `asyncio.run()` calls in turn."""
+        loop = asyncio.get_running_loop()
+        if self._op_lock is None or self._op_lock[0] is not loop:
+            self._op_lock = (loop, asyncio.Lock())
+        return self._op_lock[1]
 
     async def _quiesce(self) -> None:
         """Before a save or a load: the storage calls of a cancelled one have ended, and a
@@ -156,7 +164,7 @@ class CheckpointCoordinator:
         Emits one `CheckpointEvent` (async modes: when the background part ends)."""
         started, tier = time.perf_counter(), TIER[self.tier is not None]
         try:
-            async with self._op:
+            async with self._op():
                 result = await self._save(step, extra, durable=durable)
         except BaseException as e:
             self._events.failed("save", step, tier, started, e)
@@ -385,8 +393,21 @@ class CheckpointCoordinator:
     async def wait(self, persisting: bool = True) -> SaveResult | None:
         """Wait for a background save (and, with the memory tier, its persist to the durable
         folder unless `persisting=False`); raises an error if one failed (never dropped)."""
-        pending, self._pending = self._pending, None
-        result = None if pending is None else await pending
+        pending, result = self._pending, None
+        if pending is not None:
+            # Shielded: a caller's deadline on this wait (or on the save or load it is part
+            # of) must not cancel the background save; the next wait() still sees its end.
+            try:
+                result = await asyncio.shield(pending)
+            except asyncio.CancelledError:
+                if not pending.done():
+                    raise
+                self._pending = None
+                raise
+            except BaseException:
+                self._pending = None
+                raise
+            self._pending = None
         if persisting and self.tier is not None:
             await self.tier.flush()
         return result
@@ -418,7 +439,7 @@ class CheckpointCoordinator:
         Emits one `CheckpointEvent`."""
         started = time.perf_counter()
         try:
-            async with self._op:
+            async with self._op():
                 loaded = await self._load(step, exclude, allow_mismatch)
         except BaseException as e:
             self._events.failed("load", step, "durable" if self.tier is None else "?", started, e)
@@ -485,13 +506,14 @@ class CheckpointCoordinator:
             self._lease.release()
 
     def _lease_is_ours(self) -> bool:
-        """Renewed just now (the holders are killed within its TTL), or not ours (any more)."""
-        try:
-            self._lease.check(fresh=True)
+        """Renewed less than half a TTL ago, as far as this job knows without a storage call
+        (close() never blocks): the holders are killed long before its expiry. Otherwise the
+        folder may be another job's by now, and so are the run's holders: they stay."""
+        if self._lease.renewed_within(self._lease.ttl_s / 2):
             return True
-        except (CheckpointError, OSError) as e:
-            log.warning("leaving the memory holders to whoever holds the folder now: %s", e)
-            return False
+        log.warning("leaving the memory holders alive: this job's lease was not renewed "
+                    "recently, and the folder (and its holders) may be another job's now")  # fmt: skip
+        return False
 
     def wipe(self) -> None:
         """Delete every step of the folder (each marker first) and the quarantined ones, then

@@ -149,6 +149,11 @@ class Lease:
     def held(self) -> bool:
         return self._tag is not None and self._lost is None
 
+    def renewed_within(self, seconds: float) -> bool:
+        """Held, and its last renewal was sent less than `seconds` ago: what this job knows
+        without a storage call (nobody else can hold the folder before that renewal's expiry)."""
+        return self.held and self.clock() - self._renewed < seconds
+
     @property
     def lost(self) -> str | None:
         """Why this lease was lost to another job (None: it was not)."""
