@@ -238,7 +238,10 @@ class Job:
             self.oracle.check_load(got)
         if res is not None:
             self._check_applied(res.step, res.manifest)
-            if step is not None:
+            # load(None) that skipped a newer step (a memory step that lost its last copy, a
+            # damaged durable one) is a rollback too: the checks above held it to the newest
+            # whole step, and the next save replaces the skipped ones (docs/protocol.md).
+            if step is not None or self.coord._timeline.branch_from is not None:
                 self.branch_from = res.step
                 self.oracle.rolled_back(res.step)
         return got or 0
