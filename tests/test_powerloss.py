@@ -27,6 +27,7 @@ import pytest
 import torch
 
 from forge_ckpt import Checkpointable, CheckpointConfig, CheckpointCoordinator, spawn_trainer_ranks
+from forge_ckpt.errors import CheckpointLeaseCorruptError
 from forge_ckpt.steps import layout
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -218,13 +219,13 @@ def _reboot(folder: str) -> None:
     path = os.path.join(folder, ".forge_ckpt.lease")
     try:
         with open(path, "rb") as f:
-            holder = json.loads(f.read())
-    except (OSError, ValueError):
-        return  # no lease, or an unreadable one (which counts as expired)
-    if isinstance(holder, dict) and holder.get("pid_start") is not None:
+            holder = layout.parse_lease(f.read(), path)
+    except (FileNotFoundError, CheckpointLeaseCorruptError):
+        return  # no lease, or a damaged one (fsyncs skipped): the load reports it
+    if holder.get("pid_start") is not None:
         holder["pid_start"] = "before-the-power-cut"
-        with open(path, "w") as f:
-            json.dump(holder, f)
+        with open(path, "wb") as f:  # sealed again: its CRC32C covers the field changed
+            f.write(layout.seal_lease(holder))
 
 
 def _commit_2_durable(tree: DurableTree, final: DurableTree) -> bool:
