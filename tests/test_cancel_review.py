@@ -24,24 +24,30 @@ async def _idle(coord) -> None:
 pytestmark = pytest.mark.usefixtures("held_rules")
 
 
+async def _cancel_the_next_save(coord, held) -> None:
+    """save(2), cancelled by its caller's deadline while it waits for save(1)'s background
+    part (held at `held`), which is then let go."""
+    nxt = asyncio.ensure_future(coord.save(2))
+    for _ in range(50):  # as far as it gets: it waits for save(1)
+        await asyncio.sleep(0)
+    nxt.cancel()  # asyncio.wait_for(coord.save(2), t) timing out
+    held.go.set()
+    with pytest.raises(asyncio.CancelledError):
+        await nxt
+
+
 async def test_a_deadline_on_the_next_save_during_a_commit_keeps_its_outcome(tmp_path):
     """Deferred mode: save(1) returns (its commit in the background). The caller's next
-    save(2) is cancelled by its deadline while save(2) waits for save(1): the cancel goes
-    INTO save(1)'s background task (wait() awaits the task unshielded), save(1) is aborted,
-    and wait() later returns None: save(1)'s failure is raised by nobody ("never dropped")."""
+    save(2) is cancelled by its deadline while save(2) waits for save(1)'s commit. That
+    cancel went into save(1)'s task (an unshielded await), and wait() then returned None:
+    save(1)'s outcome and its post-commit part were lost. Now wait() reports it."""
     a = job(tmp_path, Clock(), "host-a", keep_last=None, async_mode="deferred")
     a.register("c0", Handle(Comp(1)))
     held = hold("create", "step-1/COMMIT")
     r1 = await a.save(1)
     assert not r1.committed
     await held.reached()
-    nxt = asyncio.ensure_future(a.save(2))
-    for _ in range(50):
-        await asyncio.sleep(0)
-    nxt.cancel()  # asyncio.wait_for(coord.save(2), t) timing out
-    held.go.set()
-    with pytest.raises(asyncio.CancelledError):
-        await nxt
+    await _cancel_the_next_save(a, held)
     flushed = await a.wait()
     await _idle(a)
     print(
@@ -59,22 +65,15 @@ async def test_a_deadline_on_the_next_save_during_a_commit_keeps_its_outcome(tmp
 
 
 async def test_a_deadline_on_the_next_save_before_a_commit_never_aborts_it(tmp_path):
-    """As above, but save(1)'s background part is cancelled before its commit (held in the
-    actor's write poll): save(1) is aborted by save(2)'s caller's deadline and wait()
-    raises nothing: save(1) silently never happened."""
+    """As above, but before save(1)'s commit (held in the actor's write): save(1) was aborted
+    by save(2)'s caller's deadline and wait() raised nothing. Now save(1) goes on."""
     a = job(tmp_path, Clock(), "host-a", keep_last=None, async_mode="deferred")
     a.register("c0", Handle(Comp(1)))
     held = hold("writer", "")
     r1 = await a.save(1)
     assert not r1.committed
     await held.reached()
-    nxt = asyncio.ensure_future(a.save(2))
-    for _ in range(50):
-        await asyncio.sleep(0)
-    nxt.cancel()
-    held.go.set()
-    with pytest.raises(asyncio.CancelledError):
-        await nxt
+    await _cancel_the_next_save(a, held)
     err = None
     try:
         await a.wait()

@@ -284,12 +284,9 @@ def test_the_clock_skew_allowance_is_checked(tmp_path):
         CheckpointConfig(folder=str(tmp_path), max_clock_skew_s=-1.0)
 
 
-async def test_close_never_blocks_behind_a_renewal_in_flight(tmp_path):
-    """Review 3, claim 13: close() joined the renewal thread (5 s), then waited for the lease
-    mutex, held by a renewal whose storage call hung (a slow PUT, a hung NFS mount). Now
-    close() returns at once; the release is written once that renewal ends, and the
-    renewal thread writes nothing after it."""
-    coord = CheckpointCoordinator(held_config(tmp_path, lease_ttl_s=0.3))  # renews every 0.1 s
+async def _close_behind_a_held_renewal(coord: CheckpointCoordinator) -> bool:
+    """Whether close() returned while the lease's renewal is held in its storage call (the
+    renewal is let go after)."""
     renew = hold("replace", ".forge_ckpt.lease")
     await renew.reached()
     done = threading.Event()
@@ -297,7 +294,16 @@ async def test_close_never_blocks_behind_a_renewal_in_flight(tmp_path):
     closer.start()
     returned = await asyncio.to_thread(done.wait, WAIT_S)
     renew.go.set()
-    assert returned, "close() blocked behind the renewal's storage call"
+    return returned
+
+
+async def test_close_never_blocks_behind_a_renewal_in_flight(tmp_path):
+    """Review 3, claim 13: close() joined the renewal thread (5 s), then waited for the lease
+    mutex, held by a renewal whose storage call hung (a slow PUT, a hung NFS mount). Now
+    close() returns at once; the release is written once that renewal ends, and the
+    renewal thread writes nothing after it."""
+    coord = CheckpointCoordinator(held_config(tmp_path, lease_ttl_s=0.3))  # renews every 0.1 s
+    assert await _close_behind_a_held_renewal(coord), "close() blocked behind the renewal"
     lease_file = tmp_path / ".forge_ckpt.lease"
     for _ in range(int(WAIT_S * 100)):  # the release lands once the renewal ends (bounded)
         if layout.parse_lease(lease_file.read_bytes(), "lease").get("released"):
@@ -412,12 +418,5 @@ async def test_close_with_the_memory_tier_never_blocks_behind_a_renewal(tmp_path
     decides from what it knows now (a renewal sent within half a TTL), without a call."""
     coord = CheckpointCoordinator(held_config(tmp_path, lease_ttl_s=0.3))  # renews every 0.1 s
     coord.tier = _Tier()  # type: ignore[assignment]
-    renew = hold("replace", ".forge_ckpt.lease")
-    await renew.reached()
-    done = threading.Event()
-    closer = threading.Thread(target=lambda: (coord.close(), done.set()), daemon=True)
-    closer.start()
-    returned = await asyncio.to_thread(done.wait, WAIT_S)
-    renew.go.set()
-    assert returned, "close() blocked behind the renewal's storage call"
+    assert await _close_behind_a_held_renewal(coord), "close() blocked behind the renewal"
     assert coord.tier.cancelled  # type: ignore[attr-defined]

@@ -364,6 +364,18 @@ async def test_two_lease_writes_of_unknown_outcome_are_still_ours(tmp_path, monk
     a.close()
 
 
+async def _cancel_mid_set_aside(coord: CheckpointCoordinator, step: int) -> None:
+    """save(step) of a new branch, cancelled by its caller's deadline while it sets the
+    abandoned step of that number aside; the move goes on in its thread."""
+    move = hold("move_prefix", f"step-{step}")
+    saving = asyncio.ensure_future(coord.save(step))
+    await move.reached()
+    saving.cancel()
+    move.go.set()
+    with pytest.raises(asyncio.CancelledError):
+        await saving
+
+
 async def test_a_cancelled_set_aside_is_put_back_by_the_next_load(tmp_path):
     """Break (review3 claim 10, sim seed 20990): after load(step=1), save(2) was cancelled
     while it set step 2 of the abandoned branch aside; nothing put it back, and committed
@@ -373,13 +385,7 @@ async def test_a_cancelled_set_aside_is_put_back_by_the_next_load(tmp_path):
     a.register("c0", Handle(comp := Comp()))
     await _save_steps(a, comp, (1, 2, 3), 100)
     assert (await a.load(step=1)).step == 1
-    move = hold("move_prefix", "step-2")
-    saving = asyncio.ensure_future(a.save(2))
-    await move.reached()
-    saving.cancel()  # a caller's deadline; the move goes on in its thread
-    move.go.set()
-    with pytest.raises(asyncio.CancelledError):
-        await saving
+    await _cancel_mid_set_aside(a, 2)
     assert (await a.load(step=2)).step == 2 and comp.version == 102
     assert a.steps() == [1, 2, 3]
     a.close()
@@ -394,13 +400,7 @@ async def test_a_step_set_aside_by_a_cancelled_save_is_abandoned_by_the_next_bra
     a.register("c0", Handle(comp := Comp()))
     await _save_steps(a, comp, (1, 2, 3), 100)
     assert (await a.load(step=2)).step == 2
-    move = hold("move_prefix", "step-3")
-    saving = asyncio.ensure_future(a.save(3))
-    await move.reached()
-    saving.cancel()
-    move.go.set()
-    with pytest.raises(asyncio.CancelledError):
-        await saving
+    await _cancel_mid_set_aside(a, 3)
     assert (await a.load(step=1)).step == 1  # roll back further: 2 and 3 are abandoned
     comp.version = 202
     assert (await a.save(2)).committed
