@@ -184,7 +184,7 @@ async def resume_and_train_async(
         await job.push_weights()  # version 0 to every generator
     else:
         await job.restore_weights()
-        inflight = await asyncio.gather(*(g.in_flight.remote() for g in job.generators))
+        inflight = await asyncio.gather(*(g.in_flight.remote(True) for g in job.generators))
         print(f"GRPO async: resumed in-flight requests {inflight}", flush=True)
     progress = Progress(start, int(cfg["steps"]), loaded is not None, time.perf_counter() - t0)
     steps, interval = int(cfg["steps"]), int(cfg["checkpoint"]["interval"])

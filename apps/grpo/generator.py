@@ -67,6 +67,7 @@ class Generator(Checkpointable):
         self.finished: list[dict[str, Any]] = []
         self.tokens = 0  # tokens decoded by this replica (progress; saved)
         self.tokens_since_load = 0  # not saved: what a resumed replica decoded (benchmarks)
+        self.restored: list[tuple[int, int, int]] = []  # not saved: in_flight() as last loaded
         self.cond = threading.Condition()
         threading.Thread(target=self._decode_loop, daemon=True).start()
 
@@ -113,9 +114,12 @@ class Generator(Checkpointable):
         with self.cond:
             return self.tokens_since_load if since_load else self.tokens
 
-    def in_flight(self) -> list[tuple[int, int, int]]:
-        """(seq, k, tokens so far) of every unfinished request."""
+    def in_flight(self, restored: bool = False) -> list[tuple[int, int, int]]:
+        """(seq, k, tokens so far) of every unfinished request; with `restored`, as the last
+        load left them (the live list moves on as soon as the decode thread runs again)."""
         with self.cond:
+            if restored:
+                return list(self.restored)
             return sorted((s, k, len(r["out"])) for (s, k), r in self.active.items())
 
     # ---- decoding -------------------------------------------------------------------------
@@ -222,6 +226,7 @@ class Generator(Checkpointable):
                     self._install(v, self.weights.get(v))
             self.latest, self.tokens = int(state["latest"]), int(state["tokens"])
             self.tokens_since_load = 0
+            self.restored = sorted((s, k, len(r["out"])) for (s, k), r in self.active.items())
             self.cond.notify_all()
 
     @staticmethod
