@@ -147,8 +147,9 @@ class SeaweedServer:
         (self.workdir / "master.toml").write_text(MASTER_TOML)
         # The server dies with the process that started it, even one killed without a chance to
         # stop it (a SIGKILLed test run): util-linux `setpriv` sets the parent-death signal.
+        # KILL, not TERM: weed takes ~25 s to shut down on TERM, and no one is left to serve.
         setpriv = shutil.which("setpriv")
-        guard = [setpriv, "--pdeathsig", "TERM"] if setpriv else []
+        guard = [setpriv, "--pdeathsig", "KILL"] if setpriv else []
         return [
             *guard, weed, "server", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
             f"-master.port={master}", f"-volume.port={volume}", f"-filer.port={filer}",
