@@ -194,3 +194,42 @@ async def test_a_slow_persist_never_holds_up_a_memory_save(counter, tmp_path, mo
     await coord.wait()
     assert coord.steps() == [2]
     coord.close()
+
+
+async def test_a_cancelled_wait_still_leaves_the_persist_to_the_next_wait(
+    counter, tmp_path, monkeypatch
+):
+    """A caller's deadline on `wait()` cancelled it while the persist ran; the tier forgot
+    the persist in flight, so the next `wait()` returned at once with the step not durable
+    (and `close()` could not stop it)."""
+    folder = str(tmp_path / "ckpt")
+    coord = CheckpointCoordinator(config(folder, durable_every=2))
+    coord.register("counter", counter)
+    entered, go = threading.Event(), threading.Event()
+    real = commit.commit_step
+
+    def held(store, manifest, *args):  # the persist's durable commit waits here
+        if store is coord.store:
+            entered.set()
+            assert go.wait(120)
+        return real(store, manifest, *args)
+
+    monkeypatch.setattr(commit, "commit_step", held)
+    await saved(coord, counter, (1, 2))  # step 2 is due: persisted in the background
+    assert await asyncio.to_thread(entered.wait, 120)
+    try:
+        first = asyncio.ensure_future(coord.wait())
+        for _ in range(20):
+            await asyncio.sleep(0)
+        first.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        second = asyncio.ensure_future(coord.wait())
+        for _ in range(20):  # it must wait for the persist that is still held
+            await asyncio.sleep(0)
+        assert not second.done() and coord.steps() == []
+    finally:
+        go.set()
+    await second
+    assert coord.steps() == [2]
+    coord.close()

@@ -246,9 +246,11 @@ class MemoryTier:
         """Wait for a persist in flight; the failure of every persist since the last call
         (one error naming each failed step), or None. For `load()`: it logs the failure and
         goes on to the newest whole step, where `flush()` would raise."""
-        task, self._persisting = self._persisting, None
+        task = self._persisting
         if task is not None:
-            await asyncio.wait([task])
+            await asyncio.wait([task])  # cancelled here, the task stays for the next caller
+            if self._persisting is task:
+                self._persisting = None
         failures, self._failures = self._failures, []
         if not failures:
             return None
