@@ -233,3 +233,35 @@ async def test_a_cancelled_wait_still_leaves_the_persist_to_the_next_wait(
     await second
     assert coord.steps() == [2]
     coord.close()
+
+
+async def test_a_persist_call_in_flight_never_holds_up_a_memory_save(
+    counter, tmp_path, monkeypatch
+):
+    """Every save first waits for the storage calls of a cancelled save or load to end
+    (`_quiesce`); the persist's own durable calls were counted among them, so a memory save
+    waited for a persist's `prepare_step` (on S3, up to the call bound)."""
+    folder = str(tmp_path / "ckpt")
+    coord = CheckpointCoordinator(config(folder, durable_every=2))
+    coord.register("counter", counter)
+    entered, go = threading.Event(), threading.Event()
+    real = commit.prepare_step
+
+    def held(store, step, *args):  # the persist's durable prepare waits here
+        if store is coord.store:
+            entered.set()
+            assert go.wait(120)
+        return real(store, step, *args)
+
+    monkeypatch.setattr(commit, "prepare_step", held)
+    await saved(coord, counter, (1, 2))  # step 2 is due: persisted in the background
+    assert await asyncio.to_thread(entered.wait, 120)
+    try:
+        await counter.set.remote(3)
+        result = await asyncio.wait_for(coord.save(3), 120)  # memory only: not due
+        assert result.committed and 3 in coord.tier.steps() and coord.steps() == []
+    finally:
+        go.set()
+    await coord.wait()
+    assert coord.steps() == [2]
+    coord.close()

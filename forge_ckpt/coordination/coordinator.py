@@ -86,7 +86,7 @@ class CheckpointCoordinator:
         # None: no memory tier
         self.tier = open_tier(config, self._lease.release, self.store, runtime.to_thread)
         if self.tier is not None:
-            self.tier.io = self._io
+            self.tier.io = self._background_io
         memory = self.tier.store if self.tier is not None else None
         self._timeline = Timeline(self.store, config, memory)
         self._loader = Loader(config, self._signer, self.store, self.tier, self._timeline,
@@ -100,6 +100,12 @@ class CheckpointCoordinator:
         self._running.add(call)
         call.add_done_callback(_forget_call(self._running))
         return await asyncio.shield(call)
+
+    async def _background_io(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """A persist's storage call, under the lease but not waited for by `_quiesce`: the
+        persist runs beside the saves (a load settles it first), and a save must not wait
+        out its calls (each up to the S3 call bound)."""
+        return await self._rt.to_thread(self._under_lease, fn, *args)
 
     def _op(self) -> asyncio.Lock:
         """One save or load at a time (a load changes the branch a save acts on). One lock per
