@@ -189,6 +189,29 @@ async def test_a_stale_rollback_never_sets_aside_the_successors_step(tmp_path):
     b.close()
 
 
+async def test_a_stale_job_is_not_told_its_successors_step_is_committed(tmp_path):
+    """Sim seed 10363: a job taken over saves a step number its successor has committed
+    meanwhile; `save` found it committed and returned "committed" without writing (the
+    idempotent path), so the stale job believed its own state was saved. Invariant (I3):
+    the stale save is refused (lost lease) and the successor's step stays its own."""
+    clock = Clock()
+    a = job(tmp_path, clock, "host-a", lease_ttl_s=30.0, keep_last=None)
+    a.register("c0", Handle(ca := Comp()))
+    await _save_steps(a, ca, range(1, 3), 100)
+    await a.load()  # A forgets what it saw: its next save lists the folder
+    clock.t += 60.0  # A stalls past its lease
+    b = job(tmp_path, clock, "host-b", lease_ttl_s=30.0, keep_last=None)
+    b.register("c0", Handle(cb := Comp()))
+    await b.load()
+    await _save_steps(b, cb, range(3, 4), 200)
+    with pytest.raises(CheckpointLockedError, match="lost the lease"):
+        await a.save(3)
+    cb.version = 0
+    loaded = await b.load()
+    assert loaded is not None and loaded.step == 3 and cb.version == 203
+    b.close()
+
+
 class Failing(Comp):
     def forge_begin_save(self, *args: Any, **kw: Any) -> Any:
         raise RuntimeError("actor failed its snapshot (test)")

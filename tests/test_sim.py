@@ -48,6 +48,22 @@ def test_a_seed_replays_exactly():
         assert len(a.trace) > 50
 
 
+@pytest.mark.timeout(120)
+def test_a_late_report_of_a_step_the_successor_retired_is_true():
+    """Seeds past the default budget where a job committed a step under its lease, stalled
+    past it in its retention, and its successor loaded the step, then retired it (19610)
+    or abandoned it by a rollback (10363) before the save returned "committed": true, and
+    not I3. In 10363 the stale job then saved step 7, which its successor had committed,
+    and was told "committed" without writing: I3, fixed (the lease is checked first)."""
+    want = {10363: ("job2 save(4) committed", "job2 save(7) failed: lost the lease"),
+            19610: ("job2 save(2) committed",)}  # fmt: skip
+    for seed, lines in want.items():
+        result = run_seed(seed)
+        assert result.violation is None, f"seed {seed}: {result.violation}"
+        for line in lines:
+            assert any(line in event for event in result.trace), f"seed {seed}: {line}"
+
+
 def first_violation_with(revert: str) -> str:
     """The first violation within the default budget with one fix taken back out (in
     processes of their own, hash seed pinned: what a replay gives); the search stops there."""

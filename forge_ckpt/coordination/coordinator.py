@@ -199,7 +199,8 @@ class CheckpointCoordinator:
         prepared = False  # only a folder this save prepared is ever removed by its abort
         try:
             plan = await self._io(self._timeline.plan, step, store)
-            if plan is None:
+            if plan is None:  # already committed: by this job, unless it was taken over
+                await self._io(self._lease.check)  # (then its successor's: sim seed 10363)
                 return SaveResult(step, where.url, committed=True)
             prepared = True
             await self._io(commit.prepare_step, store, step)

@@ -5,7 +5,9 @@
 - I2 load: `load()` returns the newest committed step that is legit (written under the
   lease it held when it landed), not abandoned by a committed newer branch; never another.
 - I3 fencing: a step whose marker landed after its writer lost the lease is never listed by
-  the product's readers, never loaded, and was never reported committed.
+  the product's readers, never loaded, and was never reported committed; a writer taken over
+  is never told "committed" for its successor's step (a report of its own step that came
+  after the successor retired or abandoned it is true).
 - I4 all or nothing: a load leaves every component at the loaded step, or every component as
   it was (or its error names what was applied).
 - I5 folders: nothing outside the job's folder changes (a sibling folder that shares its
@@ -47,6 +49,7 @@ class Oracle:
     branch_point: int | None = None  # the step of the last load(step=K)
     at_branch: set[Identity] = field(default_factory=set)  # what was seen at that load
     retired: set[Identity] = field(default_factory=set)  # removed with a reason, when seen
+    writers: dict[Identity, int] = field(default_factory=dict)  # every step read: its generation
     epoch: Callable[[], int] = lambda: -1  # changes whenever storage may have changed
     _cache: tuple[int, dict[Identity, layout.Manifest]] | None = None
     _gen: tuple[int, int] | None = None  # (epoch, the lease's generation then)
@@ -71,6 +74,7 @@ class Oracle:
                 except CheckpointCorruptError:
                     continue
                 out[(s, m.created)] = m
+        self.writers.update({i: m.generation for i, m in out.items()})
         self._cache = (epoch, out)
         return out
 
@@ -127,17 +131,44 @@ class Oracle:
                                     "committed after the rollback it branches from")  # fmt: skip
                 self.abandoned.add(tuple(old))  # type: ignore[arg-type]
 
-    def committed(self, step: int, branch_from: int | None) -> Identity:
-        """A save reported its step committed: it must be there and legit (I1, I3)."""
+    def committed(
+        self, step: int, branch_from: int | None, generation: int | None = None
+    ) -> Identity:
+        """A save reported its step committed: it must be there and legit (I1, I3), or, for a
+        writer of lease `generation` since taken over, have been: a step it committed under
+        its lease that its successor then retired or abandoned (its report came late)."""
         self.refresh()
         mine = [i for i in self.present() if i[0] == step]
+        if generation is not None and generation < self.lease_generation():
+            # taken over: a step of its successor's is not its own ("already committed")
+            mine = [i for i in mine if self.writers[i] <= generation]
         if not mine:
-            raise Violation("I3 fencing", f"save({step}) reported committed, no valid marker")
+            gone = self._gone(step, generation)
+            if gone is None:
+                raise Violation("I3 fencing", f"save({step}) reported committed, no valid marker")
+            return gone  # _gone observed
         ident = mine[0]
         if ident in self.late:
             raise Violation("I3 fencing", f"save({step}) reported committed, written late")
         self.observe()
         return ident
+
+    def _gone(self, step: int, generation: int | None) -> Identity | None:
+        """The newest step `step` that the writer of lease `generation` made visible, if it
+        was legit (seen, never late) and went as the invariants allow (retention, or a
+        rollback whose new branch committed); None otherwise. Only a writer taken over
+        qualifies: the folder's holder sees its own steps go only by its own hand."""
+        self.observe()  # judge whatever went since the last look (I1) before counting on it
+        if generation is None or generation >= self.lease_generation():
+            return None
+        ours = [i for i, g in self.writers.items() if i[0] == step and g == generation]
+        if not ours:
+            return None
+        ident = max(ours, key=lambda i: i[1])
+        legit = ident in self.seen and ident not in self.late
+        if legit and (ident in self.retired or ident in self.abandoned):
+            return ident
+        return None
 
     def rolled_back(self, step: int) -> None:
         """load(step=K): a new branch may abandon what is committed now, or has a marker now

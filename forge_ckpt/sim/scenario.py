@@ -208,7 +208,8 @@ class Job:
             simmem.check_reported(self.mem, step, mine)
             self.oracle.check_storage()
             return
-        self.oracle.committed(step, self.branch_from)
+        assert self.coord is not None
+        self.oracle.committed(step, self.branch_from, self.coord._lease.generation)
         self.branch_from = None
         self.oracle.check_storage()
 
