@@ -64,6 +64,19 @@ def test_a_late_report_of_a_step_the_successor_retired_is_true():
             assert any(line in event for event in result.trace), f"seed {seed}: {line}"
 
 
+@pytest.mark.timeout(240)
+def test_the_seeds_past_the_budget_keep_every_invariant():
+    """Seed 13881: a stalled job's load read the lease's record before its successor took the
+    folder over, and returned the step that was newest then; the oracle held it to the
+    successor's newer step (I2), now only a load by a job that kept the folder is. Seed 16233:
+    a stale job's memory save removed its successor's step in progress as a leftover (I1)."""
+    for seed in (13881, 16233):
+        cmd = [sys.executable, "-m", "forge_ckpt.sim", "--seed", str(seed), "--jobs", "1"]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=100, env=ENV)
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+        assert "0 violated" in done.stdout
+
+
 def first_violation_with(revert: str) -> str:
     """The first violation within the default budget with one fix taken back out (in
     processes of their own, hash seed pinned: what a replay gives); the search stops there."""

@@ -8,7 +8,7 @@ import asyncio
 import contextvars
 import logging
 import random
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 import pytest
@@ -17,9 +17,10 @@ pytest.importorskip("greenlet", reason="the simulation needs greenlet (pip insta
 
 from forge_ckpt import CheckpointConfig, CheckpointCoordinator  # noqa: E402
 from forge_ckpt.coordination.runtime import Runtime  # noqa: E402
+from forge_ckpt.errors import CheckpointError  # noqa: E402
 from forge_ckpt.memory import cluster as seam  # noqa: E402
 from forge_ckpt.sim.actors import Component, SimActor  # noqa: E402
-from forge_ckpt.sim.loop import SimQueueLock, run_io  # noqa: E402
+from forge_ckpt.sim.loop import SimQueueLock, SimThread, run_io  # noqa: E402
 from forge_ckpt.sim.memory import SimCluster  # noqa: E402
 from forge_ckpt.sim.scenario import _hermetic  # noqa: E402
 from forge_ckpt.sim.world import PROC, Faults, Proc, World  # noqa: E402
@@ -61,9 +62,13 @@ class Job:
 
     def run(self, coro: Coroutine) -> Any:
         """`coro` in this job's process, on the world's virtual time."""
+        return self.w.loop.run_until_complete(self.start(coro))
+
+    def start(self, coro: Coroutine) -> asyncio.Task:
+        """`coro` as a task of this job's process (runs as the loop runs)."""
         ctx = contextvars.copy_context()
         ctx.run(PROC.set, self.proc)
-        return self.w.loop.run_until_complete(ctx.run(self.w.loop.create_task, coro))
+        return ctx.run(self.w.loop.create_task, coro)
 
 
 def wait_out_the_lease(world: World) -> None:
@@ -129,3 +134,68 @@ def test_a_stale_jobs_memory_manifest_does_not_fail_its_successors_save(world):
     got = b.run(b.coord.load())
     assert (got.step, got.tier) == (2, "memory")
     b.coord.close()
+
+
+def test_a_stale_jobs_save_leaves_its_successors_step_in_progress(world):
+    """Job A stalls past its lease; B takes the folder over and writes memory step 2 (files
+    and manifest, no COMMIT yet). A, still running, saves step 2: its preparation took B's
+    step for an uncommitted leftover and removed it, then wrote A's own files and manifest;
+    B's COMMIT landed on them and B's committed memory step 2 was not whole (sim seed 16233).
+    The removal now renews A's lease first: A learns it lost the folder and removes nothing."""
+    a, b = stale_and_successor(world)
+    stale = before_bs_marker(b, lambda: a.start(_outcome(a.coord.save(2))))
+    assert b.run(b.coord.save(2)).committed
+    assert "lost the lease" in stale[0].result()
+    got = b.run(b.coord.load())
+    assert (got.step, got.tier) == (2, "memory")
+    b.coord.close()
+
+
+def test_a_stale_jobs_abort_leaves_its_successors_step_in_progress(world):
+    """As above, but A's save of step 2 got past its preparation before B wrote step 2 (no
+    leftover yet) and then failed (an actor lost, say): its abort removed the step's files,
+    B's by then, and B's committed memory step 2 was not whole. The abort's removal renews
+    A's lease first, as a durable one does: A learns it lost the folder and removes nothing."""
+    a, b = stale_and_successor(world)
+    assert a.coord.tier is not None
+    mine = a.coord.tier.store
+    aborts = before_bs_marker(b, lambda: a.start(a.coord._discard(2, mine)))
+    assert b.run(b.coord.save(2)).committed
+    assert aborts[0].done()
+    got = b.run(b.coord.load())
+    assert (got.step, got.tier) == (2, "memory")
+    b.coord.close()
+
+
+def stale_and_successor(world: World) -> tuple[Job, Job]:
+    """A saved step 1 and stalled past its lease (it does not know); B took the folder."""
+    a = Job(world, "jobA")
+    assert a.run(a.coord.save(1)).committed
+    wait_out_the_lease(world)
+    return a, Job(world, "jobB")
+
+
+def before_bs_marker(b: Job, stale: Callable[[], asyncio.Task]) -> list[asyncio.Task]:
+    """Once B's memory step 2 has its files and manifest, and before its COMMIT: start
+    `stale()` (the stale job's call) and let it run to its end (B's commit waits)."""
+    assert b.coord.tier is not None
+    store = b.coord.tier.store
+    create, started = store.create, []
+
+    def then_create(path: str, data: Any) -> Any:
+        if path == "step-2/COMMIT" and not started:
+            started.append(stale())
+            thread = SimThread.current()
+            assert thread is not None
+            thread.wait_until(b.w.loop, started[0], None)
+        return create(path, data)
+
+    store.create = then_create  # type: ignore[method-assign]
+    return started
+
+
+async def _outcome(save: Coroutine) -> str:
+    try:
+        return repr(await save)
+    except CheckpointError as e:
+        return str(e)

@@ -235,8 +235,14 @@ class Oracle:
         gone = branch.superseded(self.view)
         return [i for i in present if i not in self.late and i[0] not in gone]
 
-    def check_load(self, got: int | None) -> None:
+    def check_load(self, got: int | None, before: int | None = None, lost: bool = False) -> None:
+        """`before`: the newest legit step when the load began. A load whose job lost the
+        folder to another meanwhile (`lost`) may return it: it counts the steps its read of
+        the lease's record vouched for, and the successor's commits came after that read
+        (seed 13881: the record read at 82.85, the successor's take-over at 90.10 and its
+        step 4 at 90.62, the load's return at 163.93). A load is held to "now" otherwise."""
         self.refresh()
         want = self.expected_load()
-        if got != want:
-            raise Violation("I2 load", f"load() returned step {got}, the newest legit is {want}")
+        if got != want and not (lost and got == before):
+            raise Violation("I2 load", f"load() returned step {got}, the newest legit is {want}"
+                            + (f" (it was {before} when the load began)" if lost else ""))  # fmt: skip

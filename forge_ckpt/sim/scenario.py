@@ -216,7 +216,11 @@ class Job:
     async def load(self, step: int | None, current: int = 0) -> int:
         assert self.coord is not None
         before = [a.obj.loads for a in self.actors]
-        want = None if self.mem is None else simmem.expected_load(self.oracle, self.mem)
+        if self.mem is not None:
+            want = simmem.expected_load(self.oracle, self.mem)
+        else:  # what the load may return if the folder changes hands meanwhile
+            self.oracle.refresh()
+            want = self.oracle.expected_load()
         late = 0 if self.mem is None else self.mem.cluster.late
         try:
             res = await self.coord.load(step)
@@ -236,7 +240,8 @@ class Job:
         if step is None and self.mem is not None:
             simmem.check_load(self.oracle, self.mem, got, want, late)
         elif step is None:
-            self.oracle.check_load(got)
+            lost = self.oracle.lease_generation() > self.coord._lease.generation
+            self.oracle.check_load(got, want, lost)
         if res is not None:
             self._check_applied(res.step, res.manifest)
             # load(None) that skipped a newer step (a memory step that lost its last copy, a

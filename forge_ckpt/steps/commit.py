@@ -28,6 +28,7 @@ from typing import Any
 
 from ..errors import CheckpointLockedError, CheckpointSaveError
 from ..storage import AlreadyExistsError, Storage, crc32c_of_bytes
+from ..storage.base import before_delete
 from . import layout
 from .lock import Lease, lease_of
 from .signing import Signer
@@ -49,6 +50,11 @@ def prepare_step(store: Storage, step: int) -> None:
                 f"step {step} is already committed at {store.where(name)}; save a different "
                 "step number"
             )
+        if lease is None:
+            # A store fenced by its caller's lease (the memory tier) has no lease of its own:
+            # the "leftover" may be the step its successor is writing now (no COMMIT yet), so
+            # the caller's lease must be fresh before it goes (sim seed 16233).
+            before_delete()
         log.warning("removing uncommitted leftover %s before saving step %d", name, step)
         remove_step(store, step)
     if lease is not None:  # a removed step's record must not vouch for this save's COMMIT
@@ -205,6 +211,8 @@ def remove_if_uncommitted(store: Storage, step: int) -> bool:
         return False
     if lease is not None:
         lease.check(fresh=True)  # again, right before the delete: the look may have taken long
+    else:  # the memory tier: its caller's lease, fresh (see prepare_step)
+        before_delete()
     store.delete_prefix(layout.step_name(step))
     return True
 
