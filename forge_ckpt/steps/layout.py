@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 import posixpath
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -413,8 +413,9 @@ def marked_steps(folder: str | Storage, fence: Fence | None = None) -> list[int]
     A COMMIT the record rules out is no commit (see the module docstring): a leftover.
     """
     store = as_storage(folder)
-    fence = read_fence(store) if fence is None else fence
-    return [s for s in all_steps(store) if _counts(store, s, fence)]
+    if fence is not None:
+        return [s for s in all_steps(store) if _counts(store, s, fence)]
+    return _steady(store, lambda f: [s for s in all_steps(store) if _counts(store, s, f)])
 
 
 def is_marked(folder: str | Storage, step: int, fence: Fence | None = None) -> bool:
@@ -435,8 +436,26 @@ def committed_steps(folder: str | Storage, fence: Fence | None = None) -> list[i
     """The single definition of which steps exist: folders with a valid marker that the
     folder's lease records, ascending (the record is read once, before the markers)."""
     store = as_storage(folder)
-    fence = read_fence(store) if fence is None else fence
-    return [s for s in all_steps(store) if fence.admits(s) and is_committed(store, s, fence)]
+
+    def counted(f: Fence) -> list[int]:
+        return [s for s in all_steps(store) if f.admits(s) and is_committed(store, s, f)]
+
+    return counted(fence) if fence is not None else _steady(store, counted)
+
+
+def _steady(store: Storage, count: Callable[[Fence], list[int]], tries: int = 4) -> list[int]:
+    """`count(fence)` with a record that did not change while the folder was listed. A reader
+    that is not the writer reads the record, then lists: the writer may commit N and retire
+    N-k in between, and the listing then holds no step the old record names (review 4). The
+    record read again after the listing says whether that happened; then count again."""
+    fence = read_fence(store)
+    for _ in range(tries):
+        steps = count(fence)
+        again = read_fence(store)
+        if again.record == fence.record:
+            return steps
+        fence = again
+    return count(fence)
 
 
 def quarantined(folder: str | Storage) -> list[str]:
