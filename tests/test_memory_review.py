@@ -265,3 +265,42 @@ async def test_a_persist_call_in_flight_never_holds_up_a_memory_save(
     await coord.wait()
     assert coord.steps() == [2]
     coord.close()
+
+
+async def test_a_save_cancelled_behind_the_previous_persist_still_persists_its_step(
+    counter, tmp_path, monkeypatch
+):
+    """Sim seed 1442: a save due for the durable folder pinned its committed memory step,
+    then waited for the previous persist, and was cancelled there (a caller's deadline). No
+    persist ever started for it: the step stayed pinned (kept out of memory retention) and
+    never became durable."""
+    folder = str(tmp_path / "ckpt")
+    coord = CheckpointCoordinator(config(folder, durable_every=1))
+    coord.register("counter", counter)
+    entered, go = threading.Event(), threading.Event()
+    real = commit.commit_step
+
+    def held(store, manifest, *args):  # the persist of step 1 waits here
+        if store is coord.store and manifest.step == 1:
+            entered.set()
+            assert go.wait(120)
+        return real(store, manifest, *args)
+
+    monkeypatch.setattr(commit, "commit_step", held)
+    await saved(coord, counter, (1,))
+    assert await asyncio.to_thread(entered.wait, 120)
+    try:
+        await counter.set.remote(2)
+        saving = asyncio.ensure_future(coord.save(2))
+        while 2 not in coord.tier._pinned:  # committed in memory, pinned: now it waits
+            await asyncio.sleep(0.01)
+        for _ in range(20):
+            await asyncio.sleep(0)
+        saving.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await saving
+    finally:
+        go.set()
+    await coord.wait()
+    assert coord.steps() == [1, 2] and 2 not in coord.tier._pinned
+    coord.close()

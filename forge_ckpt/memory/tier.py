@@ -70,6 +70,7 @@ class MemoryTier:
         self._pinned: set[int] = set()  # due to be persisted, not yet: retention keeps them
         self._persisting: asyncio.Task | None = None
         self._cancelled: asyncio.Task | None = None  # cancel() asked once
+        self._closing = False  # cancel() was called: no persist starts after it
         self._failures: list[tuple[int, BaseException]] = []  # persists that failed, unraised
         self._checked_nodes: float | None = None  # the first save looks for new nodes
         self._events = Events(getattr(config, "on_event", None))
@@ -167,16 +168,38 @@ class MemoryTier:
         due = self.saves % self.config.durable_every == 0 if due is None else due
         if due:  # pinned before any retention: it stays in memory until persisted
             self._pinned.add(step)
-            await self.to_thread(self.store.on_all, "pin", step, True)
-        await self.to_thread(self._retention, step)
-        await self.to_thread(self.add_new_nodes)
-        if not due:
+        try:
+            if due:
+                await self.to_thread(self.store.on_all, "pin", step, True)
+            await self.to_thread(self._retention, step)
+            await self.to_thread(self.add_new_nodes)
+            if due and self._persisting is not None:  # one at a time: the saves wait
+                await asyncio.wait([self._persisting])
+        finally:  # a save cancelled after its pin still persists the step it committed
+            if due:
+                self._start_persist(manifest, durable, commit_fn, retention)
+
+    def _start_persist(
+        self,
+        manifest: layout.Manifest,
+        durable: Storage,
+        commit_fn: Callable[[layout.Manifest], None],
+        retention: Callable[[], Awaitable[None]],
+    ) -> None:
+        """The step's persist, after the one before it. Started whatever happened to the
+        save once the step was pinned: a pin no persist undoes kept the step due, and out of
+        memory retention, for good (sim seed 1442: a save cancelled in its wait for the
+        previous persist). Not after `cancel()` (close())."""
+        if self._closing:
             return
-        if self._persisting is not None:  # one at a time; a failure is kept for flush()
-            await asyncio.wait([self._persisting])
-        self._persisting = asyncio.create_task(
-            self._persist_step(manifest, durable, commit_fn, retention)
-        )
+        before = self._persisting
+
+        async def after_the_one_before() -> None:
+            if before is not None and not before.done():
+                await asyncio.wait([before])
+            await self._persist_step(manifest, durable, commit_fn, retention)
+
+        self._persisting = asyncio.create_task(after_the_one_before())
 
     async def _persist_step(
         self,
@@ -272,6 +295,7 @@ class MemoryTier:
 
     def cancel(self) -> None:
         """Stop a persist in flight (close()): once, whoever asks again."""
+        self._closing = True
         task = self._persisting
         if task is not None and not task.done() and task is not self._cancelled:
             log.warning("closing while persisting a memory step: it will not be durable")
