@@ -22,7 +22,7 @@ import torch.nn as nn
 from torch.distributed.checkpoint import CheckpointException, FileSystemWriter
 
 from forge_ckpt import CheckpointCorruptError
-from forge_ckpt.dcp import reader, tensor_blob
+from forge_ckpt.dcp import tensor_blob
 from forge_ckpt.dcp.storage_io import SeamReader, SeamWriter, verify_local
 from forge_ckpt.storage import FileRecord, open_storage
 
@@ -117,31 +117,6 @@ def test_a_file_replaced_after_its_check_is_checked_again(tmp_path):
     os.replace(tmp_path / "b" / shard, tmp_path / "a" / shard)
     with pytest.raises(CheckpointCorruptError, match="checksum mismatch"):
         _load(tmp_path / "a", _zeros(_state()), expected, seen=seen)
-
-
-def test_the_prefetch_window_moves_with_the_reader(tmp_path, monkeypatch):
-    monkeypatch.setattr(reader, "AHEAD", 64 * 1024)  # many windows per file
-    sd, expected = _save_seam(tmp_path)
-    shard = next(p for p in sorted(expected) if p.endswith(".distcp"))
-    src = reader.FileSource(str(tmp_path / shard))
-    try:
-        src.readinto(0, memoryview(bytearray(16)))
-        assert src.asked == 64 * 1024
-        src.readinto(200_000, memoryview(bytearray(16)))  # a jump: the window follows it
-        assert src.asked == min(src.size, 200_000 + 64 * 1024)
-        src.readinto(100_000, memoryview(bytearray(16)))  # behind the window: nothing asked
-        assert src.asked == min(src.size, 200_000 + 64 * 1024)
-    finally:
-        src.close()
-    target = _zeros(sd)
-    _load(tmp_path, target, expected)
-    assert all(torch.equal(target[k], v) for k, v in sd.items())
-    path = tmp_path / shard
-    data = bytearray(path.read_bytes())
-    data[-100] ^= 0x01  # in the zip records after the last item, past every window
-    path.write_bytes(data)
-    with pytest.raises(CheckpointCorruptError, match="checksum mismatch"):
-        _load(tmp_path, _zeros(sd), expected)
 
 
 def _blob(obj: object) -> memoryview:

@@ -35,7 +35,6 @@ from . import tensor_blob
 
 CHUNK = 8 * 1024 * 1024  # hashed while still in the CPU's cache
 SMALL = 256 * 1024  # items up to this size are read whole: one read instead of three
-AHEAD = 64 * 1024 * 1024  # a local file is prefetched this far ahead of the reader
 
 
 FileIdentity = tuple[int, int, int, int, int]
@@ -68,19 +67,8 @@ class FileSource:
         except FileNotFoundError:
             raise CheckpointCorruptError(path, "file is missing") from None
         self.size = os.fstat(self.fd).st_size
-        self.asked = 0  # the kernel was asked to read [0, asked) ahead of us
-
-    def _ahead(self, pos: int) -> None:
-        """Keep the disk busy with the `AHEAD` bytes after `pos`: each blob is read tail first
-        (its zip directory), then its head, then its data, which the kernel's readahead takes
-        for random access and stops prefetching (cold reads at half the disk's speed)."""
-        if pos + AHEAD // 2 < self.asked or self.asked >= self.size:
-            return
-        start, self.asked = max(self.asked, pos - AHEAD), min(self.size, pos + AHEAD)
-        os.posix_fadvise(self.fd, start, self.asked - start, os.POSIX_FADV_WILLNEED)
 
     def readinto(self, pos: int, mv: memoryview) -> None:
-        self._ahead(pos)
         done = 0
         while done < len(mv):
             n = os.preadv(self.fd, [mv[done:]], pos + done)
