@@ -76,6 +76,7 @@ def install_timers(kind: str) -> None:
     _patch(serialization, "snapshot", "snapshot")
     _patch(serialization.Snapshot, "write_to", "file_write")
     _patch(local.LocalStorage, "read_verified", "read_verified")
+    _patch(local.LocalStorage, "read_buffer", "read_verified")  # actor files: read + crc32c
     _patch(serialization, "load_from", "file_load")
     if kind == "trainer":
         import torch.distributed.checkpoint as dcp

@@ -37,16 +37,29 @@ from .base import (
 
 HASHED_CHUNK = 8 * 1024 * 1024  # a verified read hashes each piece while it is in cache
 MAP_MIN = 4 * 1024 * 1024  # buffers from this size on are anonymous maps
+MADV_POPULATE_WRITE = 23  # linux/mman.h (5.14+); Python's mmap module does not name it
 
 
 def _fresh(n: int) -> bytearray | mmap.mmap:
     """Writable memory for `n` bytes that a read fills. A bytearray is zeroed by a memset
     before the read overwrites it; an anonymous map gets zeroed pages from the kernel as the
-    read first touches them: 25-40% less CPU here. (Huge pages were tried: with the kernel's
-    default `defrag=madvise` they cost 3x more under memory pressure, in compaction.)"""
+    read first touches them: 25-40% less CPU here. (Huge pages were tried twice: on this VM
+    about half of the reads into them cost 2-6x more CPU, in compaction or host-side faults.)
+    """
     if n < MAP_MIN:
         return bytearray(n)
     return mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+
+
+def _populate(buf: Any, start: int, length: int) -> None:
+    """Make the pages of `buf[start:start + length]` (an anonymous map about to be read into)
+    in one call, not one fault per 4 KiB page inside the read: about 10% less CPU for the read
+    of a fresh buffer here. Kernels before 5.14 refuse the advice: the read faults them in."""
+    if isinstance(buf, mmap.mmap):
+        try:
+            buf.madvise(MADV_POPULATE_WRITE, start, length)
+        except OSError:
+            pass
 
 
 def fsync_dir(path: str) -> None:
@@ -258,6 +271,7 @@ class LocalStorage(Storage):
             pos = 0
             f.seek(start)
             while pos < len(mv):
+                _populate(buf, pos, step)
                 n = f.readinto(mv[pos : pos + step])
                 if not n:
                     raise CheckpointCorruptError(self.where(path), f"file ended after {pos} bytes")
