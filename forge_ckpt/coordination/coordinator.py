@@ -101,6 +101,17 @@ class CheckpointCoordinator:
         call.add_done_callback(_forget_call(self._running))
         return await asyncio.shield(call)
 
+    async def _confirm_lease(self, step: int) -> None:
+        """The lease check of a save whose step is already committed; a storage error there
+        says so, not "nothing was committed" (review 5)."""
+        try:
+            await self._io(self._lease.check)
+        except OSError as e:
+            raise CheckpointSaveError(
+                f"step {step} is already committed in {self.config.folder}, but this job "
+                f"could not confirm it still holds the folder's lease ({e}); retry the save"
+            ) from e
+
     async def _background_io(self, fn: Callable[..., Any], *args: Any) -> Any:
         """A persist's storage call, under the lease but not waited for by `_quiesce`: the
         persist runs beside the saves (a load settles it first), and a save must not wait
@@ -200,7 +211,7 @@ class CheckpointCoordinator:
         try:
             plan = await self._io(self._timeline.plan, step, store)
             if plan is None:  # already committed: by this job, unless it was taken over
-                await self._io(self._lease.check)  # (then its successor's: sim seed 10363)
+                await self._confirm_lease(step)  # (then its successor's: sim seed 10363)
                 return SaveResult(step, where.url, committed=True)
             prepared = True
             await self._io(commit.prepare_step, store, step)

@@ -69,7 +69,11 @@ class MemoryTier:
         self._recent: list[int] | None = None  # memory steps for retention (None: list them)
         self._pinned: set[int] = set()  # due to be persisted, not yet: retention keeps them
         self._persisting: asyncio.Task | None = None
-        self._cancelled: asyncio.Task | None = None  # cancel() asked once
+        self._stopped: set[asyncio.Task] = set()  # persists cancel() already cancelled
+        self._chain: set[asyncio.Task] = set()  # every persist not yet ended (cancel() stops all)
+        self._queued: asyncio.Task | None = None  # the persist waiting its turn (at most one)
+        self._queued_before: asyncio.Task | None = None  # the one it waits for
+        self._queued_step = -1  # its step
         self._closing = False  # cancel() was called: no persist starts after it
         self._failures: list[tuple[int, BaseException]] = []  # persists that failed, unraised
         self._checked_nodes: float | None = None  # the first save looks for new nodes
@@ -166,18 +170,21 @@ class MemoryTier:
         step = manifest.step
         self.saves += 1
         due = self.saves % self.config.durable_every == 0 if due is None else due
+        pinning: asyncio.Future | None = None
         if due:  # pinned before any retention: it stays in memory until persisted
             self._pinned.add(step)
         try:
             if due:
-                await self.to_thread(self.store.on_all, "pin", step, True)
+                pin = self.to_thread(self.store.on_all, "pin", step, True)
+                pinning = asyncio.ensure_future(pin)  # its unpin must come after it lands
+                await asyncio.shield(pinning)
             await self.to_thread(self._retention, step)
             await self.to_thread(self.add_new_nodes)
             if due and self._persisting is not None:  # one at a time: the saves wait
                 await asyncio.wait([self._persisting])
         finally:  # a save cancelled after its pin still persists the step it committed
             if due:
-                self._start_persist(manifest, durable, commit_fn, retention)
+                self._start_persist(manifest, durable, commit_fn, retention, pinning)
 
     def _start_persist(
         self,
@@ -185,6 +192,7 @@ class MemoryTier:
         durable: Storage,
         commit_fn: Callable[[layout.Manifest], None],
         retention: Callable[[], Awaitable[None]],
+        pinning: asyncio.Future | None = None,
     ) -> None:
         """The step's persist, after the one before it. Started whatever happened to the
         save once the step was pinned: a pin no persist undoes kept the step due, and out of
@@ -193,13 +201,42 @@ class MemoryTier:
         if self._closing:
             return
         before = self._persisting
+        if self._queued is not None and not self._queued.done():
+            self._queued.cancel()  # coalesced: this newer step takes its turn (review 5)
+            self._pinned.discard(self._queued_step)  # (its holders are unpinned by the task)
+            before = self._queued_before
 
         async def after_the_one_before() -> None:
-            if before is not None and not before.done():
-                await asyncio.wait([before])
+            try:
+                waits = [f for f in (before, pinning) if f is not None and not f.done()]
+                if waits:  # (the pin landed first: its unpin comes after it)
+                    await asyncio.wait(waits)
+            except asyncio.CancelledError:
+                await self._drop_queued(manifest.step, pinning)
+                raise
+            if self._queued is asyncio.current_task():
+                self._queued = None
             await self._persist_step(manifest, durable, commit_fn, retention)
 
-        self._persisting = asyncio.create_task(after_the_one_before())
+        task = self._persisting = asyncio.create_task(after_the_one_before())
+        self._queued, self._queued_before, self._queued_step = task, before, manifest.step
+        self._chain.add(task)
+        task.add_done_callback(self._chain.discard)
+
+    async def _drop_queued(self, step: int, pinning: asyncio.Future | None) -> None:
+        """A persist cancelled before it began: a newer due step took its turn (at most one
+        waits, however many saves a caller's deadline cut short), or close(). Its step is
+        unpinned (after its pin landed), so memory retention may drop it again."""
+        self._pinned.discard(step)
+        if self._closing:
+            return
+        log.info("memory step %d is not persisted: a newer step is persisted instead", step)
+        if pinning is not None and not pinning.done():
+            await asyncio.wait([pinning])
+        try:
+            await self.to_thread(self.store.on_all, "pin", step, False)
+        except Exception as e:  # a holder that is gone has no pin to drop
+            log.debug("unpinning memory step %d: %s", step, e)
 
     async def _persist_step(
         self,
@@ -269,10 +306,9 @@ class MemoryTier:
         """Wait for a persist in flight; the failure of every persist since the last call
         (one error naming each failed step), or None. For `load()`: it logs the failure and
         goes on to the newest whole step, where `flush()` would raise."""
-        task = self._persisting
-        if task is not None:
+        while (task := self._persisting) is not None:  # the newest: it waits for the rest
             await asyncio.wait([task])  # cancelled here, the task stays for the next caller
-            if self._persisting is task:
+            if self._persisting is task:  # (else a newer step took its turn meanwhile)
                 self._persisting = None
         failures, self._failures = self._failures, []
         if not failures:
@@ -296,11 +332,12 @@ class MemoryTier:
     def cancel(self) -> None:
         """Stop a persist in flight (close()): once, whoever asks again."""
         self._closing = True
-        task = self._persisting
-        if task is not None and not task.done() and task is not self._cancelled:
+        live = [t for t in self._chain if not t.done() and t not in self._stopped]
+        if live:
             log.warning("closing while persisting a memory step: it will not be durable")
+        for task in live:
             task.cancel()
-            self._cancelled = task
+            self._stopped.add(task)
 
     # ---- persisting --------------------------------------------------------------------
     async def persist(

@@ -22,6 +22,7 @@ before. This module is the only place that decides that.
 
 from __future__ import annotations
 
+import errno
 import json
 import posixpath
 import re
@@ -443,11 +444,13 @@ def committed_steps(folder: str | Storage, fence: Fence | None = None) -> list[i
     return counted(fence) if fence is not None else _steady(store, counted)
 
 
-def _steady(store: Storage, count: Callable[[Fence], list[int]], tries: int = 4) -> list[int]:
+def _steady(store: Storage, count: Callable[[Fence], list[int]], tries: int = 16) -> list[int]:
     """`count(fence)` with a record that did not change while the folder was listed. A reader
     that is not the writer reads the record, then lists: the writer may commit N and retire
     N-k in between, and the listing then holds no step the old record names (review 4). The
-    record read again after the listing says whether that happened; then count again."""
+    record read again after the listing says whether that happened; then count again. A
+    count is never returned unchecked (review 5): a writer that outpaces every listing is a
+    retryable error."""
     fence = read_fence(store)
     for _ in range(tries):
         steps = count(fence)
@@ -455,7 +458,11 @@ def _steady(store: Storage, count: Callable[[Fence], list[int]], tries: int = 4)
         if again.record == fence.record:
             return steps
         fence = again
-    return count(fence)
+    raise OSError(
+        errno.EAGAIN,
+        f"{store.where('')}: the commit record changed during each of {tries} listings (a "
+        "writer commits faster than the folder can be listed); try again",
+    )
 
 
 def quarantined(folder: str | Storage) -> list[str]:
