@@ -13,34 +13,13 @@ from __future__ import annotations
 import asyncio
 import threading
 
-import numpy as np
 import pytest
-import ray
+from _persist_holds import Counter, cancel_once_pinned, hold
 
-from forge_ckpt import Checkpointable, CheckpointConfig, CheckpointCoordinator, CheckpointSaveError
-from forge_ckpt.steps import commit, layout
+from forge_ckpt import CheckpointConfig, CheckpointCoordinator, CheckpointSaveError
+from forge_ckpt.steps import layout
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
-
-
-@ray.remote(num_cpus=0)
-class Counter(Checkpointable):
-    def __init__(self) -> None:
-        self.n, self.fail = 0, False
-
-    def set(self, n: int, fail: bool = False) -> None:
-        self.n, self.fail = n, fail
-
-    def get(self) -> int:
-        return self.n
-
-    def state_dict(self) -> dict:
-        if self.fail:
-            raise RuntimeError("snapshot failed (test)")
-        return {"n": self.n, "pad": np.zeros(10, dtype=np.float32)}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.n = int(state["n"])
 
 
 @pytest.fixture(scope="module")
@@ -173,16 +152,7 @@ async def test_a_slow_persist_never_holds_up_a_memory_save(counter, tmp_path, mo
     folder = str(tmp_path / "ckpt")
     coord = CheckpointCoordinator(config(folder, durable_every=2))
     coord.register("counter", counter)
-    entered, go = threading.Event(), threading.Event()
-    real = commit.commit_step
-
-    def held(store, manifest, *args):  # the persist's durable commit waits here
-        if store is coord.store:
-            entered.set()
-            assert go.wait(120)
-        return real(store, manifest, *args)
-
-    monkeypatch.setattr(commit, "commit_step", held)
+    entered, go = hold(monkeypatch, "commit_step", coord.store)
     await saved(coord, counter, (1, 2))  # step 2 is due: persisted in the background
     assert await asyncio.to_thread(entered.wait, 120)
     try:
@@ -205,16 +175,7 @@ async def test_a_cancelled_wait_still_leaves_the_persist_to_the_next_wait(
     folder = str(tmp_path / "ckpt")
     coord = CheckpointCoordinator(config(folder, durable_every=2))
     coord.register("counter", counter)
-    entered, go = threading.Event(), threading.Event()
-    real = commit.commit_step
-
-    def held(store, manifest, *args):  # the persist's durable commit waits here
-        if store is coord.store:
-            entered.set()
-            assert go.wait(120)
-        return real(store, manifest, *args)
-
-    monkeypatch.setattr(commit, "commit_step", held)
+    entered, go = hold(monkeypatch, "commit_step", coord.store)
     await saved(coord, counter, (1, 2))  # step 2 is due: persisted in the background
     assert await asyncio.to_thread(entered.wait, 120)
     try:
@@ -244,16 +205,7 @@ async def test_a_persist_call_in_flight_never_holds_up_a_memory_save(
     folder = str(tmp_path / "ckpt")
     coord = CheckpointCoordinator(config(folder, durable_every=2))
     coord.register("counter", counter)
-    entered, go = threading.Event(), threading.Event()
-    real = commit.prepare_step
-
-    def held(store, step, *args):  # the persist's durable prepare waits here
-        if store is coord.store:
-            entered.set()
-            assert go.wait(120)
-        return real(store, step, *args)
-
-    monkeypatch.setattr(commit, "prepare_step", held)
+    entered, go = hold(monkeypatch, "prepare_step", coord.store)
     await saved(coord, counter, (1, 2))  # step 2 is due: persisted in the background
     assert await asyncio.to_thread(entered.wait, 120)
     try:
@@ -277,28 +229,11 @@ async def test_a_save_cancelled_behind_the_previous_persist_still_persists_its_s
     folder = str(tmp_path / "ckpt")
     coord = CheckpointCoordinator(config(folder, durable_every=1))
     coord.register("counter", counter)
-    entered, go = threading.Event(), threading.Event()
-    real = commit.commit_step
-
-    def held(store, manifest, *args):  # the persist of step 1 waits here
-        if store is coord.store and manifest.step == 1:
-            entered.set()
-            assert go.wait(120)
-        return real(store, manifest, *args)
-
-    monkeypatch.setattr(commit, "commit_step", held)
+    entered, go = hold(monkeypatch, "commit_step", coord.store, step=1)
     await saved(coord, counter, (1,))
     assert await asyncio.to_thread(entered.wait, 120)
     try:
-        await counter.set.remote(2)
-        saving = asyncio.ensure_future(coord.save(2))
-        while 2 not in coord.tier._pinned:  # committed in memory, pinned: now it waits
-            await asyncio.sleep(0.01)
-        for _ in range(20):
-            await asyncio.sleep(0)
-        saving.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await saving
+        await cancel_once_pinned(coord, counter, 2)  # committed in memory, pinned, waiting
     finally:
         go.set()
     await coord.wait()

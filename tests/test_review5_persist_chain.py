@@ -12,31 +12,15 @@ import asyncio
 import threading
 from typing import Any
 
-import numpy as np
 import pytest
-import ray
 from _held_storage import Clock
+from _persist_holds import Counter, cancel_once_pinned
 
-from forge_ckpt import Checkpointable, CheckpointConfig, CheckpointCoordinator
+from forge_ckpt import CheckpointConfig, CheckpointCoordinator
 from forge_ckpt.coordination.runtime import Runtime
 from forge_ckpt.steps import commit, layout
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
-
-
-@ray.remote(num_cpus=0)
-class Counter(Checkpointable):
-    def __init__(self) -> None:
-        self.n = 0
-
-    def set(self, n: int) -> None:
-        self.n = n
-
-    def state_dict(self) -> dict:
-        return {"n": self.n, "pad": np.zeros(10, dtype=np.float32)}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.n = int(state["n"])
 
 
 @pytest.fixture(scope="module")
@@ -50,20 +34,6 @@ def config(folder: str, memory_keep: int = 2) -> CheckpointConfig:
 
 
 PIN_HOLD_S = 10.0  # claim 3's hold, where no unpin comes to end it
-
-
-async def cancel_once_pinned(coord: CheckpointCoordinator, counter, step: int) -> None:
-    """save(step), cancelled once its committed memory step is pinned (it then waits for
-    the persist before it, or is in its pin call)."""
-    await counter.set.remote(step)
-    saving = asyncio.ensure_future(coord.save(step))
-    while step not in coord.tier._pinned:
-        await asyncio.sleep(0.01)
-    for _ in range(20):
-        await asyncio.sleep(0)
-    saving.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await saving
 
 
 async def until(cond: Any) -> None:

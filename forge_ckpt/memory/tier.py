@@ -233,6 +233,9 @@ class MemoryTier:
         log.info("memory step %d is not persisted: a newer step is persisted instead", step)
         if pinning is not None and not pinning.done():
             await asyncio.wait([pinning])
+        await self._unpin(step)
+
+    async def _unpin(self, step: int) -> None:
         try:
             await self.to_thread(self.store.on_all, "pin", step, False)
         except Exception as e:  # a holder that is gone has no pin to drop
@@ -275,10 +278,7 @@ class MemoryTier:
                       "whole step)", step, e)  # fmt: skip
         finally:
             self._pinned.discard(step)
-        try:
-            await self.to_thread(self.store.on_all, "pin", step, False)
-        except Exception as e:  # a holder that is gone has no pin to drop
-            log.debug("unpinning memory step %d: %s", step, e)
+        await self._unpin(step)
 
     def _retention(self, step: int) -> None:
         """Drop the memory steps beyond `memory_keep`, never one still waiting to be
