@@ -36,18 +36,25 @@ async def _cancel_the_next_save(coord, held) -> None:
         await nxt
 
 
+async def _deferred_save_1_cancelled_behind(tmp_path, op: str, path: str):
+    """Deferred mode: save(1) returns with its `op` on `path` held in its thread; the
+    caller's next save(2) is then cancelled by its deadline while it waits for save(1)."""
+    a = job(tmp_path, Clock(), "host-a", keep_last=None, async_mode="deferred")
+    a.register("c0", Handle(Comp(1)))
+    held = hold(op, path)
+    r1 = await a.save(1)
+    assert not r1.committed
+    await held.reached()
+    await _cancel_the_next_save(a, held)
+    return a
+
+
 async def test_a_deadline_on_the_next_save_during_a_commit_keeps_its_outcome(tmp_path):
     """Deferred mode: save(1) returns (its commit in the background). The caller's next
     save(2) is cancelled by its deadline while save(2) waits for save(1)'s commit. That
     cancel went into save(1)'s task (an unshielded await), and wait() then returned None:
     save(1)'s outcome and its post-commit part were lost. Now wait() reports it."""
-    a = job(tmp_path, Clock(), "host-a", keep_last=None, async_mode="deferred")
-    a.register("c0", Handle(Comp(1)))
-    held = hold("create", "step-1/COMMIT")
-    r1 = await a.save(1)
-    assert not r1.committed
-    await held.reached()
-    await _cancel_the_next_save(a, held)
+    a = await _deferred_save_1_cancelled_behind(tmp_path, "create", "step-1/COMMIT")
     flushed = await a.wait()
     await _idle(a)
     print(
@@ -67,13 +74,7 @@ async def test_a_deadline_on_the_next_save_during_a_commit_keeps_its_outcome(tmp
 async def test_a_deadline_on_the_next_save_before_a_commit_never_aborts_it(tmp_path):
     """As above, but before save(1)'s commit (held in the actor's write): save(1) was aborted
     by save(2)'s caller's deadline and wait() raised nothing. Now save(1) goes on."""
-    a = job(tmp_path, Clock(), "host-a", keep_last=None, async_mode="deferred")
-    a.register("c0", Handle(Comp(1)))
-    held = hold("writer", "")
-    r1 = await a.save(1)
-    assert not r1.committed
-    await held.reached()
-    await _cancel_the_next_save(a, held)
+    a = await _deferred_save_1_cancelled_behind(tmp_path, "writer", "")
     err = None
     try:
         await a.wait()

@@ -68,7 +68,7 @@ class Job:
             try:
                 coord = CheckpointCoordinator(self.config, runtime=self.runtime())
             except (CheckpointLockedError, OSError):
-                pass  # wait (virtual time) for the lease to expire
+                coord = None  # another job's lease: wait (virtual time) for it to expire
             except CheckpointError as e:
                 if "cannot open" not in str(e):
                     raise
