@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 from _held_storage import Clock
-from _persist_holds import Counter, cancel_once_pinned
+from _persist_holds import Counter, cancel_once_pinned, hold
 
 from forge_ckpt import CheckpointConfig, CheckpointCoordinator
 from forge_ckpt.coordination.runtime import Runtime
@@ -69,6 +69,7 @@ async def test_cancelled_saves_behind_a_slow_persist_do_not_pile_up(counter, tmp
     try:
         for step in range(2, 8):
             await cancel_once_pinned(coord, counter, step)
+        await coord._quiesce_calls()  # the last save's commit has set its persist going
         pinned, in_memory = sorted(coord.tier._pinned), coord.tier.steps()
     finally:
         go.set()
@@ -170,3 +171,33 @@ async def test_a_save_cancelled_in_its_pin_call_leaves_no_pin_behind(
     coord.close()
     print(f"holders' pins after the persist of step 2 ended: {pins}")
     assert all(2 not in p for p in pins.values()), f"step 2 stays pinned on holders: {pins}"
+
+
+@pytest.mark.parametrize("then", ["save", "load"])
+async def test_a_save_cancelled_in_its_memory_commit_still_pins_and_persists_its_step(
+    counter, tmp_path, monkeypatch, then
+):
+    """Claim 5: a save cancelled while its memory commit ran (a thread: it goes on and
+    commits) skipped everything a commit sets going: the pin, the persist, retention. A
+    retried save was told "already committed", and the step never became durable. The
+    post-commit work is now a task of its own, which the next save or load waits for."""
+    folder = str(tmp_path / "ckpt")
+    coord = CheckpointCoordinator(config(folder))
+    coord.register("counter", counter)
+    entered, go = hold(monkeypatch, "commit_step", coord.tier.store, step=1)
+    await counter.set.remote(1)
+    saving = asyncio.ensure_future(coord.save(1))
+    assert await asyncio.to_thread(entered.wait, 300)
+    saving.cancel()
+    go.set()
+    with pytest.raises(asyncio.CancelledError):
+        await saving
+    if then == "save":
+        assert (await coord.save(1)).committed  # the retry: "already committed"
+    else:
+        assert (await coord.load()).step == 1
+    await coord.wait()
+    durable, pinned = coord.steps(), set(coord.tier._pinned)
+    coord.close()
+    assert durable == [1], f"step 1 never persisted (durable steps {durable})"
+    assert not pinned, f"steps {pinned} stay pinned"

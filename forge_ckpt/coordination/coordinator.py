@@ -126,11 +126,16 @@ class CheckpointCoordinator:
             self._op_lock = (loop, asyncio.Lock())
         return self._op_lock[1]
 
+    async def _quiesce_calls(self) -> None:
+        """The storage calls of a cancelled save or load, and what a cancelled save's commit
+        set going (`_follow`), have ended."""
+        while self._running:
+            await asyncio.wait(set(self._running))
+
     async def _quiesce(self) -> None:
         """Before a save or a load: the storage calls of a cancelled one have ended, and a
         set-aside it left behind (a rollback's save cancelled mid-move) is put back."""
-        while self._running:
-            await asyncio.wait(set(self._running))
+        await self._quiesce_calls()
         if self._timeline.aside:
             await self._put_back()
 
@@ -283,9 +288,13 @@ class CheckpointCoordinator:
             manifest.supersedes = abandons
             if manifest.created in [t for s, t in abandons if s == result.step]:
                 manifest.created += 1e-3  # never the abandoned step's identity
+            commit_call = asyncio.ensure_future(self._io(self._commit, manifest, store))
+            follow = self._follow(commit_call, manifest, store, abandons, durable)
             committing = True  # from here on the step may become visible: never abort it
-            await self._io(self._commit, manifest, store)
+            await asyncio.shield(commit_call)
         except BaseException as e:
+            if committing:
+                follow.add_done_callback(_log_follow_failure(result.step))
             if _may_abort(committing, e):
                 await self._abort(units, result.step, e, store)
                 if isinstance(e, (OSError, ValueError)):
@@ -306,21 +315,62 @@ class CheckpointCoordinator:
         log.info(
             "committed step %d: %.1f MB in %.2fs", result.step, result.nbytes / 1e6, result.total_s
         )
+        try:
+            turn = await asyncio.shield(follow)
+        except asyncio.CancelledError:
+            follow.add_done_callback(_log_follow_failure(result.step))
+            raise
+        if turn is not None and not turn.done():  # a due save waits for the persist before
+            await asyncio.wait([turn])  # its own (at most one waits its turn)
+        return result
+
+    def _follow(
+        self,
+        commit_call: asyncio.Future,
+        manifest: layout.Manifest,
+        store: Storage,
+        abandons: list[tuple[int, float]],
+        durable: bool | None,
+    ) -> asyncio.Task:
+        """What a commit sets going (the branch's retirements, the memory step's pin and
+        persist, retention), as a task of its own that the next save or load waits for
+        (`_quiesce`): a save cancelled in or after its commit still leaves its step pinned
+        and persisted, where a retry is told "already committed" (review 5, claim 5)."""
+        follow = asyncio.ensure_future(
+            self._after_commit(commit_call, manifest, store, abandons, durable)
+        )
+        self._running.add(follow)
+        follow.add_done_callback(self._running.discard)
+        return follow
+
+    async def _after_commit(
+        self,
+        commit_call: asyncio.Future,
+        manifest: layout.Manifest,
+        store: Storage,
+        abandons: list[tuple[int, float]],
+        durable: bool | None,
+    ) -> asyncio.Future | None:
+        """Returns the persist that a due memory step's persist waits for (the save waits
+        for it too, outside this task: the next save waits for this task)."""
+        try:
+            await commit_call
+        except BaseException:  # the save reports it (or its caller is gone)
+            return None
         if self._timeline.branch_from is not None and self.tier is not None:
             await self._retire_memory()
         self._timeline.branch_committed()
         if abandons:  # the abandoned one goes now
             try:
                 await self._io(branch.retire_superseded, self.store)
-            except OSError as e:  # loads skip them; the next save or start removes them
+            except (OSError, CheckpointError) as e:  # loads skip them; a later save removes them
                 self._timeline.forget(self.store)  # their numbers are not free yet
                 log.warning("could not yet remove the abandoned steps: %s", e)
         if self.tier is not None and store is self.tier.store:  # maybe persisted, later
             persist = (self._commit, self._retention)
-            await self.tier.committed(manifest, self.store, persist, durable)
-        else:
-            await self._retention()
-        return result
+            return await self.tier.committed(manifest, self.store, persist, durable)
+        await self._retention()
+        return None
 
     async def _retire_memory(self) -> None:
         """Remove the memory steps that a committed durable step of a newer branch abandoned
@@ -330,7 +380,7 @@ class CheckpointCoordinator:
         try:
             for s in await self._io(branch.abandoned_copies, self.store, self.tier.store):
                 await self._io(commit.remove_step, self.tier.store, s)
-        except OSError as e:
+        except (OSError, CheckpointError) as e:  # (CheckpointError: closed meanwhile)
             log.warning("could not yet remove the abandoned branch's memory steps: %s", e)
 
     async def _retention(self) -> None:
@@ -427,6 +477,7 @@ class CheckpointCoordinator:
                 raise
             self._pending = None
         if persisting and self.tier is not None:
+            await self._quiesce_calls()  # a cancelled save's commit may start a persist
             await self.tier.flush()
         return result
 
@@ -579,6 +630,16 @@ def _forget_call(running: set[asyncio.Future]) -> Callable[[asyncio.Future], Non
         running.discard(call)
         if not call.cancelled():
             call.exception()
+
+    return done
+
+
+def _log_follow_failure(step: int) -> Callable[[asyncio.Future], None]:
+    """The post-commit work of a save whose caller is gone: its error is logged."""
+
+    def done(follow: asyncio.Future) -> None:
+        if not follow.cancelled() and follow.exception() is not None:
+            log.error("after committing step %d: %s", step, follow.exception())
 
     return done
 

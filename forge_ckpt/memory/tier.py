@@ -74,6 +74,8 @@ class MemoryTier:
         self._queued: asyncio.Task | None = None  # the persist waiting its turn (at most one)
         self._queued_before: asyncio.Task | None = None  # the one it waits for
         self._queued_step = -1  # its step
+        self._supersede: asyncio.Future | None = None  # the queued one's: a newer step took
+        # its turn
         self._closing = False  # cancel() was called: no persist starts after it
         self._failures: list[tuple[int, BaseException]] = []  # persists that failed, unraised
         self._checked_nodes: float | None = None  # the first save looks for new nodes
@@ -162,15 +164,19 @@ class MemoryTier:
         durable: Storage,
         persist: tuple[Callable[[layout.Manifest], None], Callable[[], Awaitable[None]]],
         due: bool | None = None,
-    ) -> None:
+    ) -> asyncio.Future | None:
         """Memory retention; the step also goes to the durable folder if `due` (default:
         every `durable_every`-th save), in the background (one persist at a time; `flush()`
-        raises its error). `persist`: the coordinator's commit and durable retention."""
+        raises its error). `persist`: the coordinator's commit and durable retention.
+        Returns the persist this step's waits for: the save waits for it too (backpressure:
+        at most one persist waits behind the running one), outside this call, so that the
+        next save, which waits for this call, does not wait for that persist too."""
         commit_fn, retention = persist
         step = manifest.step
         self.saves += 1
         due = self.saves % self.config.durable_every == 0 if due is None else due
         pinning: asyncio.Future | None = None
+        turn: asyncio.Future | None = None
         if due:  # pinned before any retention: it stays in memory until persisted
             self._pinned.add(step)
         try:
@@ -180,11 +186,10 @@ class MemoryTier:
                 await asyncio.shield(pinning)
             await self.to_thread(self._retention, step)
             await self.to_thread(self.add_new_nodes)
-            if due and self._persisting is not None:  # one at a time: the saves wait
-                await asyncio.wait([self._persisting])
         finally:  # a save cancelled after its pin still persists the step it committed
             if due:
-                self._start_persist(manifest, durable, commit_fn, retention, pinning)
+                turn = self._start_persist(manifest, durable, commit_fn, retention, pinning)
+        return turn
 
     def _start_persist(
         self,
@@ -193,35 +198,57 @@ class MemoryTier:
         commit_fn: Callable[[layout.Manifest], None],
         retention: Callable[[], Awaitable[None]],
         pinning: asyncio.Future | None = None,
-    ) -> None:
-        """The step's persist, after the one before it. Started whatever happened to the
-        save once the step was pinned: a pin no persist undoes kept the step due, and out of
-        memory retention, for good (sim seed 1442: a save cancelled in its wait for the
-        previous persist). Not after `cancel()` (close())."""
+    ) -> asyncio.Future | None:
+        """The step's persist, after the one before it (returned). Started whatever happened
+        to the save once the step was pinned: a pin no persist undoes kept the step due, and
+        out of memory retention, for good (sim seed 1442: a save cancelled in its wait for
+        the previous persist). Not after `cancel()` (close())."""
         if self._closing:
-            return
+            return None
         before = self._persisting
         if self._queued is not None and not self._queued.done():
-            self._queued.cancel()  # coalesced: this newer step takes its turn (review 5)
+            # Coalesced: this newer step takes its turn (review 5). Told, not cancelled: a
+            # task cancelled before it ever ran never unpins its step (review 6, A).
+            if self._supersede is not None and not self._supersede.done():
+                self._supersede.set_result(None)
             self._pinned.discard(self._queued_step)  # (its holders are unpinned by the task)
             before = self._queued_before
-
-        async def after_the_one_before() -> None:
-            try:
-                waits = [f for f in (before, pinning) if f is not None and not f.done()]
-                if waits:  # (the pin landed first: its unpin comes after it)
-                    await asyncio.wait(waits)
-            except asyncio.CancelledError:
-                await self._drop_queued(manifest.step, pinning)
-                raise
-            if self._queued is asyncio.current_task():
-                self._queued = None
-            await self._persist_step(manifest, durable, commit_fn, retention)
-
-        task = self._persisting = asyncio.create_task(after_the_one_before())
+        superseded = self._supersede = asyncio.get_running_loop().create_future()
+        turn = self._queued_turn(manifest, durable, commit_fn, retention,
+                                 (before, pinning, superseded))  # fmt: skip
+        task = self._persisting = asyncio.create_task(turn)
         self._queued, self._queued_before, self._queued_step = task, before, manifest.step
         self._chain.add(task)
         task.add_done_callback(self._chain.discard)
+        return before
+
+    async def _queued_turn(
+        self,
+        manifest: layout.Manifest,
+        durable: Storage,
+        commit_fn: Callable[[layout.Manifest], None],
+        retention: Callable[[], Awaitable[None]],
+        waits_for: tuple[asyncio.Future | None, asyncio.Future | None, asyncio.Future],
+    ) -> None:
+        """Wait for the persist before and for the step's pin (its unpin must come after it
+        lands), then persist; a newer due step that takes this turn (`superseded` is set)
+        drops it instead."""
+        before, pinning, superseded = waits_for
+        try:
+            while not superseded.done():
+                waits = [f for f in (before, pinning) if f is not None and not f.done()]
+                if not waits:
+                    break
+                await asyncio.wait([*waits, superseded], return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            await self._drop_queued(manifest.step, pinning)
+            raise
+        if superseded.done():
+            await self._drop_queued(manifest.step, pinning)
+            return
+        if self._queued is asyncio.current_task():
+            self._queued = None
+        await self._persist_step(manifest, durable, commit_fn, retention)
 
     async def _drop_queued(self, step: int, pinning: asyncio.Future | None) -> None:
         """A persist cancelled before it began: a newer due step took its turn (at most one
@@ -233,6 +260,16 @@ class MemoryTier:
         log.info("memory step %d is not persisted: a newer step is persisted instead", step)
         if pinning is not None and not pinning.done():
             await asyncio.wait([pinning])
+        await self._unpin(step)
+
+    async def _cut_off(self, step: int) -> None:
+        """A persist cancelled by its event loop's end (an `asyncio.run()` that returned while
+        it ran; a coordinator may serve several in turn): its step is unpinned on the
+        holders, which would otherwise keep it for good. Not after close(): the holders may
+        be a successor's, with a step of that number of its own pinned."""
+        self._pinned.discard(step)
+        log.warning("persisting memory step %d was cut off by the end of its event loop: it "
+                    "may not be durable (the next durable save persists a newer one)", step)  # fmt: skip
         await self._unpin(step)
 
     async def _unpin(self, step: int) -> None:
@@ -263,6 +300,8 @@ class MemoryTier:
             if done is None:
                 self._events.failed("persist", step, "durable", started, error, 0.0)
             if not isinstance(error, Exception):
+                if not self._closing:  # not close(): its event loop ended (review 6, C)
+                    await self._cut_off(step)
                 raise
             e = error
             if not isinstance(e, CheckpointError):
@@ -306,8 +345,12 @@ class MemoryTier:
         """Wait for a persist in flight; the failure of every persist since the last call
         (one error naming each failed step), or None. For `load()`: it logs the failure and
         goes on to the newest whole step, where `flush()` would raise."""
-        while (task := self._persisting) is not None:  # the newest: it waits for the rest
-            await asyncio.wait([task])  # cancelled here, the task stays for the next caller
+        # Every persist, a dropped one's late unpin included: after a rollback, that unpin
+        # would unpin a new step of the same number (review 6, B).
+        while self._chain or self._persisting is not None:
+            task = self._persisting
+            if self._chain:  # cancelled here, the tasks stay for the next caller
+                await asyncio.wait(set(self._chain))
             if self._persisting is task:  # (else a newer step took its turn meanwhile)
                 self._persisting = None
         failures, self._failures = self._failures, []
