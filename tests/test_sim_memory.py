@@ -47,17 +47,20 @@ def world(tmp_path, monkeypatch):
 class Job:
     """A driver process with its coordinator and one actor."""
 
-    def __init__(self, world: World, name: str, **config: Any) -> None:
+    def __init__(self, world: World, name: str, *, opened: bool = True, **config: Any) -> None:
+        """`opened=False`: open it later, from a task of the world's loop (`await _open()`)."""
         self.w, self.proc = world, Proc(name)
         cfg = {"memory_every": 1, "durable_every": 100, "memory_keep": 3, **config}
         self.config = CheckpointConfig(folder=world.folder, lease_ttl_s=TTL, **cfg)
-        self.coord: CheckpointCoordinator = self.run(self._open())
+        if opened:
+            self.coord: CheckpointCoordinator = self.run(self._open())
 
     async def _open(self) -> CheckpointCoordinator:
         rt = Runtime(to_thread=run_io, wall=self.w.clock.wall, lease_thread=False,
                      identity=self.proc.identity(), lock=SimQueueLock)  # fmt: skip
         coord = CheckpointCoordinator(self.config, runtime=rt)
         coord.register("c0", SimActor(self.w, Proc(f"{self.proc.name}.a0"), Component("c0")))
+        self.coord = coord
         return coord
 
     def run(self, coro: Coroutine) -> Any:
@@ -199,3 +202,37 @@ async def _outcome(save: Coroutine) -> str:
         return repr(await save)
     except CheckpointError as e:
         return str(e)
+
+
+def test_a_stale_jobs_memory_retention_removes_none_of_its_successors_steps(world):
+    """Job A (memory_keep=1) committed memory step 2 under its lease, then stalled past it
+    before its memory retention ran. B took the folder over (it keeps 3 memory steps) and
+    saved step 3. A's retention then removed step 1, which B had accepted and still keeps:
+    it ran outside the lease, and a memory step's removal checked none. It now runs under
+    the lease, and each removal renews it first: A learns it lost the folder, removes
+    nothing, and its committed save says so only in the log."""
+    a = Job(world, "jobA", memory_keep=1)
+    assert a.run(a.coord.save(1)).committed
+    assert a.coord.tier is not None
+    tier, b = a.coord.tier, Job(world, "jobB", opened=False, memory_keep=3)
+    real, started = tier._retention, []
+
+    async def take_over() -> None:  # B, once A's lease has run out
+        await asyncio.sleep(TTL * 1.5)  # virtual seconds
+        coord = await b._open()
+        assert (await coord.save(3)).committed
+
+    def stalled(step: int) -> None:
+        if step == 2 and not started:
+            started.append(b.start(take_over()))
+            thread = SimThread.current()
+            assert thread is not None
+            thread.wait_until(world.loop, started[0], None)
+        real(step)
+
+    tier._retention = stalled  # type: ignore[method-assign]
+    assert a.run(a.coord.save(2)).committed
+    started[0].result()
+    assert b.coord.tier is not None
+    assert b.coord.tier.steps() == [1, 2, 3]
+    b.coord.close()

@@ -184,7 +184,11 @@ class MemoryTier:
                 pin = self.to_thread(self.store.on_all, "pin", step, True)
                 pinning = asyncio.ensure_future(pin)  # its unpin must come after it lands
                 await asyncio.shield(pinning)
-            await self.to_thread(self._retention, step)
+            try:  # under the lease: a stale job's must not remove its successor's steps
+                await self.io(self._retention, step)
+            except (OSError, CheckpointError) as e:  # the step is committed: best effort
+                self._recent = None  # (listed again by the next save's, which tries again)
+                log.warning("memory retention could not run: %s", e)
             await self.to_thread(self.add_new_nodes)
         finally:  # a save cancelled after its pin still persists the step it committed
             if due:

@@ -193,6 +193,8 @@ def _create(store: Storage, path: str, data: bytes, lease: Lease | None) -> None
 def remove_step(store: Storage, step: int) -> None:
     """Remove a step, marker first, so that it is never seen half-deleted."""
     lease = _writer(store, f"remove step {step}", fresh=True)
+    if lease is None:  # the memory tier: its caller's lease, fresh (a stale job's retention
+        before_delete()  # would remove its successor's memory step of that number)
     name = layout.step_name(step)
     store.delete(f"{name}/{layout.MARKER}")  # durable before anything else goes
     if lease is not None:
