@@ -22,7 +22,7 @@ import torch
 from .. import __version__
 from ..actors.reshard import ReshardRule
 from ..config import CheckpointConfig
-from ..errors import CheckpointError, CheckpointSaveError
+from ..errors import CheckpointCorruptError, CheckpointError, CheckpointSaveError
 from ..memory.choose import TIER
 from ..memory.tier import open_tier
 from ..steps import branch, commit, layout
@@ -79,6 +79,9 @@ class CheckpointCoordinator:
         self._pending: asyncio.Task | None = None
         self._op_lock: tuple[Any, asyncio.Lock] | None = None  # (its loop, the lock): _op()
         self._running: set[asyncio.Future] = set()  # storage calls in their threads
+        # Commits whose follow-up (`_after_commit`) was cut off, by the end of an event loop
+        # or an unknown outcome: (manifest, store, abandons, durable); `_quiesce_calls`.
+        self._owed: list[tuple[layout.Manifest, Storage, list[tuple[int, float]], bool | None]] = []
         # One commit at a time per store: a persist's durable commit (seconds on S3) never
         # holds up a memory save's commit; the lease has its own lock.
         self._commit_locks = {"durable": runtime.lock(), "memory": runtime.lock()}
@@ -128,9 +131,23 @@ class CheckpointCoordinator:
 
     async def _quiesce_calls(self) -> None:
         """The storage calls of a cancelled save or load, and what a cancelled save's commit
-        set going (`_follow`), have ended."""
+        set going (`_follow`), have ended; a commit whose follow-up was cut off has it now."""
         while self._running:
             await asyncio.wait(set(self._running))
+        while self._owed:
+            manifest, store, abandons, durable = self._owed[0]
+            try:
+                landed = await self._io(_committed_as, store, manifest)
+            except (OSError, CheckpointError) as e:  # the next save or load looks again
+                log.warning("could not tell whether step %d committed: %s", manifest.step, e)
+                return
+            self._owed.pop(0)
+            if landed:
+                log.info("step %d was committed: running what its commit sets going", manifest.step)
+                self._timeline.committed(store, manifest.step)
+                done: asyncio.Future = asyncio.get_running_loop().create_future()
+                done.set_result(None)
+                await asyncio.shield(self._follow(done, manifest, store, abandons, durable))
 
     async def _quiesce(self) -> None:
         """Before a save or a load: the storage calls of a cancelled one have ended, and a
@@ -353,10 +370,29 @@ class CheckpointCoordinator:
     ) -> asyncio.Future | None:
         """Returns the persist that a due memory step's persist waits for (the save waits
         for it too, outside this task: the next save waits for this task)."""
+        owed = (manifest, store, abandons, durable)
         try:
             await commit_call
-        except BaseException:  # the save reports it (or its caller is gone)
+        except asyncio.CancelledError:  # the end of the event loop (nothing else cancels
+            self._owed.append(owed)  # this task); the commit's thread runs on (review 7)
+            raise
+        except BaseException as e:  # the save reports it (or its caller is gone)
+            if not isinstance(e, CheckpointError) or isinstance(e, OSError):
+                self._owed.append(owed)  # outcome unknown: the next save or load looks
             return None
+        try:
+            return await self._committed_follow_up(manifest, store, abandons, durable)
+        except asyncio.CancelledError:  # (idem): the next save, load or wait() runs it
+            self._owed.append(owed)
+            raise
+
+    async def _committed_follow_up(
+        self,
+        manifest: layout.Manifest,
+        store: Storage,
+        abandons: list[tuple[int, float]],
+        durable: bool | None,
+    ) -> asyncio.Future | None:
         if self._timeline.branch_from is not None and self.tier is not None:
             await self._retire_memory()
         self._timeline.branch_committed()
@@ -476,8 +512,9 @@ class CheckpointCoordinator:
                 self._pending = None
                 raise
             self._pending = None
+        if persisting:  # what a cancelled save's commit set going (retention, a persist)
+            await self._quiesce_calls()
         if persisting and self.tier is not None:
-            await self._quiesce_calls()  # a cancelled save's commit may start a persist
             await self.tier.flush()
         return result
 
@@ -536,6 +573,7 @@ class CheckpointCoordinator:
             await self.wait(persisting=False)
         except Exception as e:
             log.warning("a background save failed before this load: %s", e)
+        await self._quiesce_calls()  # a cancelled save's commit may start a persist (review 7)
         if self.tier is not None:
             failure = await self.tier.settle()
             if failure is not None:
@@ -632,6 +670,14 @@ def _forget_call(running: set[asyncio.Future]) -> Callable[[asyncio.Future], Non
             call.exception()
 
     return done
+
+
+def _committed_as(store: Storage, manifest: layout.Manifest) -> bool:
+    """Whether `manifest`'s step is committed in `store`, by that very commit."""
+    try:
+        return layout.read_committed(store, manifest.step).created == manifest.created
+    except CheckpointCorruptError:
+        return False
 
 
 def _log_follow_failure(step: int) -> Callable[[asyncio.Future], None]:

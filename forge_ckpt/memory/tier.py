@@ -190,7 +190,11 @@ class MemoryTier:
                 self._recent = None  # (listed again by the next save's, which tries again)
                 log.warning("memory retention could not run: %s", e)
             await self.to_thread(self.add_new_nodes)
-        finally:  # a save cancelled after its pin still persists the step it committed
+        except asyncio.CancelledError:  # the end of the event loop: a persist started now
+            self.saves -= 1  # would fail; the coordinator runs this again on the next one
+            due = False  # (review 7)
+            raise
+        finally:  # a pin that failed still leaves its step to a persist (it unpins it)
             if due:
                 turn = self._start_persist(manifest, durable, commit_fn, retention, pinning)
         return turn
