@@ -62,7 +62,7 @@ def test_a_loop_that_ends_in_the_follow_tasks_pin_leaves_the_step_pinned(
         await counter.set.remote(1)
         asyncio.ensure_future(coord.save(1))
         assert await asyncio.to_thread(entered.wait, WAIT_S)
-        follows.extend(t for t in coord._running if "_after_commit" in repr(t))
+        follows.extend(coord._follow_ups.tasks)
 
     async def second() -> tuple[list[int], Any, str]:
         error = "none"
@@ -116,7 +116,7 @@ def test_a_loop_that_ends_in_the_memory_commit_still_persists_the_step(
         await counter.set.remote(1)
         asyncio.ensure_future(coord.save(1))
         assert await asyncio.to_thread(entered.wait, WAIT_S)
-        follows.extend(t for t in coord._running if "_after_commit" in repr(t))
+        follows.extend(coord._follow_ups.tasks)
 
     async def second() -> tuple[bool, list[int]]:
         retried = (await asyncio.wait_for(coord.save(1), WAIT_S)).committed

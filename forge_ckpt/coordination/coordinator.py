@@ -22,15 +22,16 @@ import torch
 from .. import __version__
 from ..actors.reshard import ReshardRule
 from ..config import CheckpointConfig
-from ..errors import CheckpointCorruptError, CheckpointError, CheckpointSaveError
+from ..errors import CheckpointError, CheckpointSaveError
 from ..memory.choose import TIER
 from ..memory.tier import open_tier
 from ..steps import branch, commit, layout
 from ..steps.lock import Lease
 from ..storage import Storage, StorageSpec, open_storage
-from . import unit_calls
+from . import follow_ups, unit_calls
 from .components import Group, Unit, actor_group, trainer_group
 from .events import Events
+from .follow_ups import FollowUps
 from .leased_calls import LeasedCalls
 from .loader import Loader
 from .remote_errors import describe, save_error
@@ -77,11 +78,11 @@ class CheckpointCoordinator:
             raise
         self._groups: dict[str, Group] = {}
         self._pending: asyncio.Task | None = None
+        self._pending_step = -1  # its step
         self._op_lock: tuple[Any, asyncio.Lock] | None = None  # (its loop, the lock): _op()
         self._running: set[asyncio.Future] = set()  # storage calls in their threads
-        # Commits whose follow-up (`_after_commit`) was cut off, by the end of an event loop
-        # or an unknown outcome: (manifest, store, abandons, durable); `_quiesce_calls`.
-        self._owed: list[tuple[layout.Manifest, Storage, list[tuple[int, float]], bool | None]] = []
+        self._follow_ups = FollowUps(self._committed_follow_up, self._io, self._running,
+                                     lambda store, step: self._timeline.committed(store, step))  # fmt: skip
         # One commit at a time per store: a persist's durable commit (seconds on S3) never
         # holds up a memory save's commit; the lease has its own lock.
         self._commit_locks = {"durable": runtime.lock(), "memory": runtime.lock()}
@@ -129,25 +130,13 @@ class CheckpointCoordinator:
             self._op_lock = (loop, asyncio.Lock())
         return self._op_lock[1]
 
-    async def _quiesce_calls(self) -> None:
-        """The storage calls of a cancelled save or load, and what a cancelled save's commit
-        set going (`_follow`), have ended; a commit whose follow-up was cut off has it now."""
-        while self._running:
-            await asyncio.wait(set(self._running))
-        while self._owed:
-            manifest, store, abandons, durable = self._owed[0]
-            try:
-                landed = await self._io(_committed_as, store, manifest)
-            except (OSError, CheckpointError) as e:  # the next save or load looks again
-                log.warning("could not tell whether step %d committed: %s", manifest.step, e)
-                return
-            self._owed.pop(0)
-            if landed:
-                log.info("step %d was committed: running what its commit sets going", manifest.step)
-                self._timeline.committed(store, manifest.step)
-                done: asyncio.Future = asyncio.get_running_loop().create_future()
-                done.set_result(None)
-                await asyncio.shield(self._follow(done, manifest, store, abandons, durable))
+    async def _quiesce_calls(self, every: bool = True, decide: bool = False) -> None:
+        """What a cancelled save's commit set going (`_follow`) has ended and, if `every`
+        (a save or load), every storage call a cancelled save or load left running; then a
+        commit whose follow-up was cut off has it (follow_ups.py)."""
+        while pending := (self._running if every else self._follow_ups.tasks):
+            await asyncio.wait(set(pending))
+        await self._follow_ups.run_owed(decide)
 
     async def _quiesce(self) -> None:
         """Before a save or a load: the storage calls of a cancelled one have ended, and a
@@ -265,6 +254,7 @@ class CheckpointCoordinator:
             return await finish
         self._pending = asyncio.create_task(finish)
         self._pending.add_done_callback(_log_background_failure)
+        self._pending_step = step
         return result
 
     async def _snapshots(
@@ -306,12 +296,12 @@ class CheckpointCoordinator:
             if manifest.created in [t for s, t in abandons if s == result.step]:
                 manifest.created += 1e-3  # never the abandoned step's identity
             commit_call = asyncio.ensure_future(self._io(self._commit, manifest, store))
-            follow = self._follow(commit_call, manifest, store, abandons, durable)
+            follow = self._follow_ups.start(commit_call, manifest, store, abandons, durable)
             committing = True  # from here on the step may become visible: never abort it
             await asyncio.shield(commit_call)
         except BaseException as e:
             if committing:
-                follow.add_done_callback(_log_follow_failure(result.step))
+                follow.add_done_callback(follow_ups.log_failure(result.step))
             if _may_abort(committing, e):
                 await self._abort(units, result.step, e, store)
                 if isinstance(e, (OSError, ValueError)):
@@ -335,56 +325,11 @@ class CheckpointCoordinator:
         try:
             turn = await asyncio.shield(follow)
         except asyncio.CancelledError:
-            follow.add_done_callback(_log_follow_failure(result.step))
+            follow.add_done_callback(follow_ups.log_failure(result.step))
             raise
         if turn is not None and not turn.done():  # a due save waits for the persist before
             await asyncio.wait([turn])  # its own (at most one waits its turn)
         return result
-
-    def _follow(
-        self,
-        commit_call: asyncio.Future,
-        manifest: layout.Manifest,
-        store: Storage,
-        abandons: list[tuple[int, float]],
-        durable: bool | None,
-    ) -> asyncio.Task:
-        """What a commit sets going (the branch's retirements, the memory step's pin and
-        persist, retention), as a task of its own that the next save or load waits for
-        (`_quiesce`): a save cancelled in or after its commit still leaves its step pinned
-        and persisted, where a retry is told "already committed" (review 5, claim 5)."""
-        follow = asyncio.ensure_future(
-            self._after_commit(commit_call, manifest, store, abandons, durable)
-        )
-        self._running.add(follow)
-        follow.add_done_callback(self._running.discard)
-        return follow
-
-    async def _after_commit(
-        self,
-        commit_call: asyncio.Future,
-        manifest: layout.Manifest,
-        store: Storage,
-        abandons: list[tuple[int, float]],
-        durable: bool | None,
-    ) -> asyncio.Future | None:
-        """Returns the persist that a due memory step's persist waits for (the save waits
-        for it too, outside this task: the next save waits for this task)."""
-        owed = (manifest, store, abandons, durable)
-        try:
-            await commit_call
-        except asyncio.CancelledError:  # the end of the event loop (nothing else cancels
-            self._owed.append(owed)  # this task); the commit's thread runs on (review 7)
-            raise
-        except BaseException as e:  # the save reports it (or its caller is gone)
-            if not isinstance(e, CheckpointError) or isinstance(e, OSError):
-                self._owed.append(owed)  # outcome unknown: the next save or load looks
-            return None
-        try:
-            return await self._committed_follow_up(manifest, store, abandons, durable)
-        except asyncio.CancelledError:  # (idem): the next save, load or wait() runs it
-            self._owed.append(owed)
-            raise
 
     async def _committed_follow_up(
         self,
@@ -393,6 +338,9 @@ class CheckpointCoordinator:
         abandons: list[tuple[int, float]],
         durable: bool | None,
     ) -> asyncio.Future | None:
+        """What a commit sets going (follow_ups.py runs it as a task of its own). Returns the
+        persist a due memory step's persist waits for (the save waits for it too, outside
+        that task: the next save waits for the task)."""
         if self._timeline.branch_from is not None and self.tier is not None:
             await self._retire_memory()
         self._timeline.branch_committed()
@@ -506,14 +454,19 @@ class CheckpointCoordinator:
             except asyncio.CancelledError:
                 if not pending.done():
                     raise
-                self._pending = None
-                raise
+                self._pending = None  # close(), or the end of its event loop (review 8)
+                raise CheckpointSaveError(
+                    f"the background save of step {self._pending_step} was cancelled "
+                    "(close(), or the end of its event loop) before it ended: it is committed "
+                    "only if its commit ran (the next save or load finishes what that sets "
+                    "going); its files are removed at the next start otherwise"
+                ) from None
             except BaseException:
                 self._pending = None
                 raise
             self._pending = None
         if persisting:  # what a cancelled save's commit set going (retention, a persist)
-            await self._quiesce_calls()
+            await self._quiesce_calls(every=False)
         if persisting and self.tier is not None:
             await self.tier.flush()
         return result
@@ -573,7 +526,9 @@ class CheckpointCoordinator:
             await self.wait(persisting=False)
         except Exception as e:
             log.warning("a background save failed before this load: %s", e)
-        await self._quiesce_calls()  # a cancelled save's commit may start a persist (review 7)
+        # What a cancelled save's commit set going may start a persist (review 7); an owed
+        # follow-up is decided here, before the tier settles and the load chooses (review 8).
+        await self._quiesce_calls(decide=True)
         if self.tier is not None:
             failure = await self.tier.settle()
             if failure is not None:
@@ -668,24 +623,6 @@ def _forget_call(running: set[asyncio.Future]) -> Callable[[asyncio.Future], Non
         running.discard(call)
         if not call.cancelled():
             call.exception()
-
-    return done
-
-
-def _committed_as(store: Storage, manifest: layout.Manifest) -> bool:
-    """Whether `manifest`'s step is committed in `store`, by that very commit."""
-    try:
-        return layout.read_committed(store, manifest.step).created == manifest.created
-    except CheckpointCorruptError:
-        return False
-
-
-def _log_follow_failure(step: int) -> Callable[[asyncio.Future], None]:
-    """The post-commit work of a save whose caller is gone: its error is logged."""
-
-    def done(follow: asyncio.Future) -> None:
-        if not follow.cancelled() and follow.exception() is not None:
-            log.error("after committing step %d: %s", step, follow.exception())
 
     return done
 

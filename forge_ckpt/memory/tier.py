@@ -189,7 +189,10 @@ class MemoryTier:
             except (OSError, CheckpointError) as e:  # the step is committed: best effort
                 self._recent = None  # (listed again by the next save's, which tries again)
                 log.warning("memory retention could not run: %s", e)
-            await self.to_thread(self.add_new_nodes)
+            try:
+                await self.to_thread(self.add_new_nodes)
+            except Exception as e:  # the step is committed; the next save looks again
+                log.warning("memory tier: could not look for new nodes: %s", e)
         except asyncio.CancelledError:  # the end of the event loop: a persist started now
             self.saves -= 1  # would fail; the coordinator runs this again on the next one
             due = False  # (review 7)

@@ -1,0 +1,121 @@
+"""What a commit sets going, as tasks of their own, and the commits whose follow-up was cut off.
+
+After a step commits, the coordinator retires an abandoned branch, pins the memory step and
+starts its persist, and runs retention (`CheckpointCoordinator._committed_follow_up`). That
+work runs as a task the next save, load and `wait()` wait for, so that a save cancelled in or
+after its commit still leaves its step pinned and persisted, where a retry is told "already
+committed" (review 5, claim 5). A follow-up cut off (the end of an event loop cancels its task)
+or a commit of unknown outcome is recorded as owed: the next save, load or `wait()` reads
+whether that commit landed and, if it did, runs its follow-up then (review 7).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from ..errors import CheckpointCorruptError, CheckpointError
+from ..steps import layout
+from ..storage import Storage
+
+log = logging.getLogger("forge_ckpt")
+
+Abandons = list[tuple[int, float]]
+Owed = tuple[layout.Manifest, Storage, Abandons, "bool | None"]
+Work = Callable[[layout.Manifest, Storage, Abandons, "bool | None"], Awaitable[Any]]
+
+
+class FollowUps:
+    """The follow-up tasks of one coordinator, and its owed follow-ups."""
+
+    def __init__(
+        self,
+        work: Work,
+        io: Callable[..., Awaitable[Any]],
+        running: set[asyncio.Future],
+        committed: Callable[[Storage, int], None],
+    ) -> None:
+        """`work`: the follow-up itself; `io`: a storage call under the lease; `running`: the
+        coordinator's calls a save or load waits for (a follow-up is one of them);
+        `committed`: tells the timeline of a commit found to have landed."""
+        self._work, self._io, self._running, self._committed = work, io, running, committed
+        self.tasks: set[asyncio.Future] = set()
+        self.owed: list[Owed] = []
+
+    def start(
+        self,
+        commit_call: asyncio.Future,
+        manifest: layout.Manifest,
+        store: Storage,
+        abandons: Abandons,
+        durable: bool | None,
+    ) -> asyncio.Task:
+        """The follow-up of `commit_call` (a storage call), once it returns."""
+        task = asyncio.ensure_future(self._after(commit_call, (manifest, store, abandons, durable)))
+        for tasks in (self._running, self.tasks):
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+        return task
+
+    async def _after(self, commit_call: asyncio.Future, owed: Owed) -> Any:
+        """The work's result (the persist a due memory step's waits for), or None."""
+        try:
+            await commit_call
+        except asyncio.CancelledError:  # the end of the event loop (nothing else cancels
+            self.owed.append(owed)  # this task); the commit's thread runs on (review 7)
+            raise
+        except BaseException as e:  # the save reports it (or its caller is gone)
+            if not isinstance(e, CheckpointError) or isinstance(e, OSError):
+                self.owed.append(owed)  # outcome unknown: the next save or load looks
+            return None
+        try:
+            return await self._work(*owed)
+        except asyncio.CancelledError:  # (idem): the next save, load or wait() runs it
+            self.owed.append(owed)
+            raise
+
+    async def run_owed(self, decide: bool) -> None:
+        """The follow-up of each owed commit that landed. One that cannot be checked waits
+        for the next call, unless `decide` (a load, which decides from what it reads: run
+        after it, a rollback's would be undone; review 8)."""
+        while self.owed:
+            manifest, store, abandons, durable = self.owed[0]
+            try:
+                landed = await self._io(committed_as, store, manifest)
+            except Exception as e:
+                log.warning("could not tell whether step %d committed: %s%s", manifest.step, e,
+                            "" if decide else " (the next save or load looks again)")  # fmt: skip
+                if not decide:
+                    return
+                landed = False
+            self.owed.pop(0)
+            if not landed:
+                continue
+            log.info("step %d was committed: running what its commit sets going", manifest.step)
+            self._committed(store, manifest.step)
+            done: asyncio.Future = asyncio.get_running_loop().create_future()
+            done.set_result(None)
+            try:
+                await asyncio.shield(self.start(done, manifest, store, abandons, durable))
+            except Exception as e:  # the step is committed: its follow-up is best effort
+                log.warning("after committing step %d: %s", manifest.step, e)
+
+
+def committed_as(store: Storage, manifest: layout.Manifest) -> bool:
+    """Whether `manifest`'s step is committed in `store`, by that very commit."""
+    try:
+        return layout.read_committed(store, manifest.step).created == manifest.created
+    except CheckpointCorruptError:
+        return False
+
+
+def log_failure(step: int) -> Callable[[asyncio.Future], None]:
+    """The follow-up of a save whose caller is gone: its error is logged."""
+
+    def done(follow: asyncio.Future) -> None:
+        if not follow.cancelled() and follow.exception() is not None:
+            log.error("after committing step %d: %s", step, follow.exception())
+
+    return done
