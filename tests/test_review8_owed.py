@@ -12,7 +12,7 @@ from _held_storage import Clock, Comp, Handle, held_rules, job  # noqa: F401
 
 import forge_ckpt
 from forge_ckpt import CheckpointSaveError
-from forge_ckpt.coordination import coordinator
+from forge_ckpt.coordination import follow_ups
 from forge_ckpt.steps import commit
 
 pytestmark = pytest.mark.usefixtures("held_rules")
@@ -57,7 +57,7 @@ async def test_an_owed_follow_up_run_after_a_rollback_undoes_it(tmp_path, monkey
     step 3) and returns committed=True without saving the new state; load() then resumes
     the abandoned step 4."""
     a, comp = await owed_after(tmp_path, monkeypatch, 4, keep_last=10)
-    real, left = getattr(coordinator, "_committed_as", None), [2]
+    real, left = follow_ups.committed_as, [2]
 
     def flaky(store: Any, manifest: Any) -> bool:
         if left[0]:
@@ -66,7 +66,7 @@ async def test_an_owed_follow_up_run_after_a_rollback_undoes_it(tmp_path, monkey
         assert real is not None
         return real(store, manifest)
 
-    monkeypatch.setattr(coordinator, "_committed_as", flaky, raising=False)
+    monkeypatch.setattr(follow_ups, "committed_as", flaky)
     loaded = await a.load(step=2)
     assert loaded is not None and loaded.step == 2 and comp.version == 2
     comp.version = 30  # the new branch's state at step 3

@@ -445,31 +445,35 @@ class CheckpointCoordinator:
     async def wait(self, persisting: bool = True) -> SaveResult | None:
         """Wait for a background save (and, with the memory tier, its persist to the durable
         folder unless `persisting=False`); raises an error if one failed (never dropped)."""
-        pending, result = self._pending, None
+        pending, result, cut_off = self._pending, None, None
         if pending is not None:
             # Shielded: a caller's deadline on this wait (or on the save or load it is part
             # of) must not cancel the background save; the next wait() still sees its end.
             try:
                 result = await asyncio.shield(pending)
             except asyncio.CancelledError:
-                if not pending.done():
-                    raise
-                self._pending = None  # close(), or the end of its event loop (review 8)
-                raise CheckpointSaveError(
-                    f"the background save of step {self._pending_step} was cancelled "
-                    "(close(), or the end of its event loop) before it ended: it is committed "
-                    "only if its commit ran (the next save or load finishes what that sets "
-                    "going); its files are removed at the next start otherwise"
-                ) from None
+                if not pending.cancelled() or _cancelling():
+                    raise  # the caller's own cancellation (the next wait() sees the end)
+                cut_off = self._cut_off_error()  # close(), or the end of its event loop
             except BaseException:
                 self._pending = None
                 raise
             self._pending = None
         if persisting:  # what a cancelled save's commit set going (retention, a persist)
             await self._quiesce_calls(every=False)
+        if cut_off is not None:
+            raise cut_off
         if persisting and self.tier is not None:
             await self.tier.flush()
         return result
+
+    def _cut_off_error(self) -> CheckpointSaveError:
+        return CheckpointSaveError(
+            f"the background save of step {self._pending_step} was cancelled (close(), or the "
+            "end of its event loop) before it ended: it is committed only if its commit ran "
+            "(then what that commit sets going has run by now, or runs at the next save or "
+            "load); its files are removed at the next start otherwise (review 8)"
+        )
 
     # ---- load ---------------------------------------------------------------------------
 
@@ -625,6 +629,13 @@ def _forget_call(running: set[asyncio.Future]) -> Callable[[asyncio.Future], Non
             call.exception()
 
     return done
+
+
+def _cancelling() -> bool:
+    """Whether the current task is being cancelled (Python 3.11+; False before)."""
+    task = asyncio.current_task()
+    cancelling = getattr(task, "cancelling", None)
+    return bool(cancelling()) if cancelling is not None else False
 
 
 def _may_abort(committing: bool, e: BaseException) -> bool:

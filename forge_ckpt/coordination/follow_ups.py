@@ -81,16 +81,17 @@ class FollowUps:
         for the next call, unless `decide` (a load, which decides from what it reads: run
         after it, a rollback's would be undone; review 8)."""
         while self.owed:
-            manifest, store, abandons, durable = self.owed[0]
+            entry = self.owed.pop(0)  # taken: a caller beside this one takes the next (review 9)
+            manifest, store, abandons, durable = entry
             try:
                 landed = await self._io(committed_as, store, manifest)
             except Exception as e:
                 log.warning("could not tell whether step %d committed: %s%s", manifest.step, e,
-                            "" if decide else " (the next save or load looks again)")  # fmt: skip
+                            "" if decide else " (the next save, load or wait() looks again)")  # fmt: skip
                 if not decide:
+                    self.owed.insert(0, entry)
                     return
                 landed = False
-            self.owed.pop(0)
             if not landed:
                 continue
             log.info("step %d was committed: running what its commit sets going", manifest.step)
