@@ -14,10 +14,10 @@ import threading
 from typing import Any
 
 import pytest
+from _owed_faults import failing_looks
 from _persist_holds import Counter
 
 from forge_ckpt import CheckpointConfig, CheckpointCoordinator, CheckpointSaveError
-from forge_ckpt.coordination import follow_ups
 from forge_ckpt.memory import cluster
 from forge_ckpt.steps import commit
 
@@ -59,16 +59,7 @@ async def test_an_owed_persist_decided_by_the_loads_second_look_escapes_it(
     await counter.set.remote(2)
     with pytest.raises(CheckpointSaveError, match="outcome is unknown"):
         await coord.save(2)
-    real_look, left = follow_ups.committed_as, [1]
-
-    def flaky(store: Any, manifest: Any) -> bool:
-        if left[0]:
-            left[0] -= 1
-            raise OSError(errno.EIO, "read failed (test)")
-        assert real_look is not None
-        return real_look(store, manifest)
-
-    monkeypatch.setattr(follow_ups, "committed_as", flaky)
+    failing_looks(monkeypatch, 1)
     result = await coord.load(step=1)
     order.append("load(step=1) returned")
     in_flight = [t for t in coord.tier._chain if not t.done()]

@@ -4,32 +4,16 @@ Ray). A lost reply is forced by `commit.commit_step` committing and then raising
 
 from __future__ import annotations
 
-import errno
 from typing import Any
 
 import pytest
 from _held_storage import Clock, Comp, Handle, held_rules, job  # noqa: F401
+from _owed_faults import failing_looks, lose_replies
 
 import forge_ckpt
 from forge_ckpt import CheckpointSaveError
-from forge_ckpt.coordination import follow_ups
-from forge_ckpt.steps import commit
 
 pytestmark = pytest.mark.usefixtures("held_rules")
-
-
-def lose_reply(monkeypatch: Any, step: int) -> None:
-    """The commit of `step` lands (recorded in the lease), then its caller gets OSError."""
-    real, done = commit.commit_step, []
-
-    def lost(store: Any, manifest: Any, *args: Any) -> Any:
-        out = real(store, manifest, *args)
-        if manifest.step == step and not done:
-            done.append(step)
-            raise OSError(errno.EIO, "reply lost (test)")
-        return out
-
-    monkeypatch.setattr(commit, "commit_step", lost)
 
 
 async def owed_after(tmp_path: Any, monkeypatch: Any, steps: int, **kw: Any) -> Any:
@@ -41,7 +25,7 @@ async def owed_after(tmp_path: Any, monkeypatch: Any, steps: int, **kw: Any) -> 
         comp.version = s
         assert (await a.save(s)).committed
     comp.version = steps
-    lose_reply(monkeypatch, steps)
+    lose_replies(monkeypatch, {steps})
     with pytest.raises(CheckpointSaveError, match="outcome is unknown"):
         await a.save(steps)
     assert len(a._follow_ups.owed) == 1  # (no `_owed` before 6e21956)
@@ -57,16 +41,7 @@ async def test_an_owed_follow_up_run_after_a_rollback_undoes_it(tmp_path, monkey
     step 3) and returns committed=True without saving the new state; load() then resumes
     the abandoned step 4."""
     a, comp = await owed_after(tmp_path, monkeypatch, 4, keep_last=10)
-    real, left = follow_ups.committed_as, [2]
-
-    def flaky(store: Any, manifest: Any) -> bool:
-        if left[0]:
-            left[0] -= 1
-            raise OSError(errno.EIO, "read failed (test)")
-        assert real is not None
-        return real(store, manifest)
-
-    monkeypatch.setattr(follow_ups, "committed_as", flaky)
+    failing_looks(monkeypatch, 2)
     loaded = await a.load(step=2)
     assert loaded is not None and loaded.step == 2 and comp.version == 2
     comp.version = 30  # the new branch's state at step 3
@@ -90,7 +65,7 @@ async def test_owed_entry_from_a_rollback_branchs_first_save(tmp_path, monkeypat
     assert not a._follow_ups.owed
     assert (await a.load(step=2)).step == 2
     comp.version = 30
-    lose_reply(monkeypatch, 3)
+    lose_replies(monkeypatch, {3})
     with pytest.raises(CheckpointSaveError, match="outcome is unknown"):
         await a.save(3)
     comp.version = 40

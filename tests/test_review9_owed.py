@@ -13,26 +13,12 @@ from typing import Any
 
 import pytest
 from _held_storage import Clock, Comp, Handle, held_rules, job  # noqa: F401
+from _owed_faults import failing_looks, lose_replies
 
 from forge_ckpt import CheckpointSaveError
 from forge_ckpt.coordination import follow_ups
-from forge_ckpt.steps import commit
 
 pytestmark = pytest.mark.usefixtures("held_rules")
-
-
-def lose_reply(monkeypatch: Any, steps: set[int]) -> None:
-    """The commit of each of `steps` lands, then its caller gets OSError (a lost reply)."""
-    real = commit.commit_step
-
-    def lost(store: Any, manifest: Any, *args: Any) -> Any:
-        out = real(store, manifest, *args)
-        if manifest.step in steps:
-            steps.discard(manifest.step)
-            raise OSError(errno.EIO, "reply lost (test)")
-        return out
-
-    monkeypatch.setattr(commit, "commit_step", lost)
 
 
 async def test_two_waits_at_once_with_one_owed_entry(tmp_path, monkeypatch):
@@ -42,7 +28,7 @@ async def test_two_waits_at_once_with_one_owed_entry(tmp_path, monkeypatch):
     a = job(tmp_path, Clock(), "host-a")
     a.register("c0", Handle(Comp(1)))
     assert (await a.save(1)).committed
-    lose_reply(monkeypatch, {2})
+    lose_replies(monkeypatch, {2})
     with pytest.raises(CheckpointSaveError, match="outcome is unknown"):
         await a.save(2)
     assert len(a._follow_ups.owed) == 1
@@ -59,7 +45,7 @@ async def test_two_waits_run_one_owed_follow_up_twice(tmp_path, monkeypatch):
     a = job(tmp_path, Clock(), "host-a", keep_last=10)
     a.register("c0", Handle(Comp(1)))
     assert (await a.save(1)).committed
-    lose_reply(monkeypatch, {2, 3})
+    lose_replies(monkeypatch, {2, 3})
     with pytest.raises(CheckpointSaveError, match="outcome is unknown"):
         await a.save(2)
     real, left, looked = follow_ups.committed_as, [1], []
@@ -99,18 +85,11 @@ async def test_a_recovery_load_beside_a_wait(tmp_path, monkeypatch):
     a = job(tmp_path, Clock(), "host-a", keep_last=10)
     a.register("c0", Handle(Comp(1)))
     assert (await a.save(1)).committed
-    lose_reply(monkeypatch, {2, 3})
+    lose_replies(monkeypatch, {2, 3})
     with pytest.raises(CheckpointSaveError, match="outcome is unknown"):
         await a.save(2)
-    real, left = follow_ups.committed_as, [1]
-
-    def once(store: Any, manifest: Any) -> bool:
-        if left[0]:
-            left[0] -= 1
-            raise OSError(errno.EIO, "read failed (test)")
-        return real(store, manifest)
-
-    monkeypatch.setattr(follow_ups, "committed_as", once)
+    real = follow_ups.committed_as
+    failing_looks(monkeypatch, 1)
     with pytest.raises(CheckpointSaveError, match="outcome is unknown"):
         await a.save(3)
     assert [m.step for m, *_ in a._follow_ups.owed] == [2, 3]

@@ -1,0 +1,38 @@
+"""Shared by the owed follow-up tests (reviews 8 and 9): a commit whose reply is lost after it
+landed, and a look at whether a commit landed (`follow_ups.committed_as`) that fails."""
+
+from __future__ import annotations
+
+import errno
+from typing import Any
+
+from forge_ckpt.coordination import follow_ups
+from forge_ckpt.steps import commit
+
+
+def lose_replies(monkeypatch: Any, steps: set[int]) -> None:
+    """The commit of each of `steps` lands (recorded in the lease), then its caller gets
+    OSError once: a lost reply, an outcome the save cannot know."""
+    real = commit.commit_step
+
+    def lost(store: Any, manifest: Any, *args: Any) -> Any:
+        out = real(store, manifest, *args)
+        if manifest.step in steps:
+            steps.discard(manifest.step)
+            raise OSError(errno.EIO, "reply lost (test)")
+        return out
+
+    monkeypatch.setattr(commit, "commit_step", lost)
+
+
+def failing_looks(monkeypatch: Any, n: int) -> None:
+    """The next `n` looks at whether an owed commit landed fail with a read error."""
+    real, left = follow_ups.committed_as, [n]
+
+    def flaky(store: Any, manifest: Any) -> bool:
+        if left[0]:
+            left[0] -= 1
+            raise OSError(errno.EIO, "read failed (test)")
+        return real(store, manifest)
+
+    monkeypatch.setattr(follow_ups, "committed_as", flaky)
