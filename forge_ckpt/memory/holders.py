@@ -28,6 +28,9 @@ from .store import forget
 log = logging.getLogger("forge_ckpt")
 RUN_FILE = ".forge_ckpt.run"
 NAME_GONE_S = 30.0  # Ray releases a killed actor's name asynchronously
+# A holder's first answer includes its process start: on a busy node that takes far longer
+# than a call (a 60 s bound failed the tier's opening under a CPU-bound load).
+START_TIMEOUT_S = 300.0
 
 
 def run_id_of(folder: str) -> str:
@@ -81,7 +84,14 @@ class Identity:
         for name, node in refs:
             try:
                 h = cluster.actor(name, self.namespace)
-                cluster.get(h.configure.remote(budget, keep), timeout=60)
+                cluster.get(h.configure.remote(budget, keep), timeout=START_TIMEOUT_S)
+            except ray.exceptions.GetTimeoutError:
+                raise CheckpointError(
+                    f"the memory holder on node {node[:8]} did not start within "
+                    f"{START_TIMEOUT_S:.0f}s (memory.holders.START_TIMEOUT_S): is that node "
+                    "overloaded or out of CPU/memory for a new actor? Retry, or run without "
+                    "the memory tier (memory_every=0)"
+                ) from None
             except (ValueError, ray.exceptions.RayActorError):
                 # It died since we looked (a closing run's holder going away): start anew.
                 self._wait_gone(name)
