@@ -36,3 +36,28 @@ def failing_looks(monkeypatch: Any, n: int) -> None:
         return real(store, manifest)
 
     monkeypatch.setattr(follow_ups, "committed_as", flaky)
+
+
+async def commit_cut_by_the_loop(coord: Any) -> None:
+    """A deferred save(1), then a deferred save(2) whose commit is held at its COMMIT until
+    the background save is done: the end of the running loop cancels it there."""
+    from _held_storage import hold
+
+    await coord.save(1)
+    await coord.wait()
+    held = hold("create", "step-2/COMMIT")
+    await coord.save(2)  # returns at the snapshots; the commit runs in `_pending`
+    await held.reached()
+    assert coord._pending is not None
+    coord._pending.add_done_callback(lambda _t: held.go.set())  # let go once the loop cut it
+
+
+def release_holds(coord: Any) -> None:
+    """Let every held call go, forget the rules, close `coord`."""
+    from _held_storage import HOLDS, RULES
+
+    for h in HOLDS:
+        h.go.set()
+    RULES.clear()
+    HOLDS.clear()
+    coord.close()

@@ -9,7 +9,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from _held_storage import HOLDS, RULES, Clock, Comp, Handle, hold, job
+from _held_storage import HOLDS, RULES, Clock, Comp, Handle, job
+from _owed_faults import commit_cut_by_the_loop, release_holds
 
 
 def test_the_next_loops_recovery_load_survives_a_save_cut_off_by_the_last_loop(tmp_path):
@@ -18,15 +19,6 @@ def test_the_next_loops_recovery_load_survives_a_save_cut_off_by_the_last_loop(t
     RULES.clear()
     HOLDS.clear()
 
-    async def first() -> None:
-        await a.save(1)
-        await a.wait()
-        held = hold("create", "step-2/COMMIT")
-        await a.save(2)  # returns at the snapshots; the commit runs in `_pending`
-        await held.reached()
-        assert a._pending is not None
-        a._pending.add_done_callback(lambda _t: held.go.set())  # let go once the loop cut it
-
     async def second() -> Any:
         try:
             return await a.load()
@@ -34,14 +26,10 @@ def test_the_next_loops_recovery_load_survives_a_save_cut_off_by_the_last_loop(t
             return e
 
     try:
-        asyncio.run(first())
+        asyncio.run(commit_cut_by_the_loop(a))
         loaded = asyncio.run(second())
     finally:
-        for h in HOLDS:
-            h.go.set()
-        RULES.clear()
-        HOLDS.clear()
-        a.close()
+        release_holds(a)
     print(f"the second loop's first load(): {loaded!r}")
     assert not isinstance(loaded, BaseException), f"load() raised {type(loaded).__name__}"
     assert loaded is not None and loaded.step == 2

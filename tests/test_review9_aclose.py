@@ -10,7 +10,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from _held_storage import HOLDS, RULES, Clock, Comp, Handle, hold, job
+from _held_storage import HOLDS, RULES, Clock, Comp, Handle, job
+from _owed_faults import commit_cut_by_the_loop, release_holds
 
 import forge_ckpt
 
@@ -21,15 +22,6 @@ def test_aclose_runs_an_owed_follow_up(tmp_path):
     RULES.clear()
     HOLDS.clear()
 
-    async def first() -> None:
-        await a.save(1)
-        await a.wait()
-        held = hold("create", "step-2/COMMIT")
-        await a.save(2)  # returns at the snapshots; the commit runs in `_pending`
-        await held.reached()
-        assert a._pending is not None
-        a._pending.add_done_callback(lambda _t: held.go.set())  # let go once the loop cut it
-
     async def second() -> Any:
         owed = [m.step for m, *_ in a._follow_ups.owed]
         try:
@@ -39,14 +31,10 @@ def test_aclose_runs_an_owed_follow_up(tmp_path):
         return owed, None
 
     try:
-        asyncio.run(first())
+        asyncio.run(commit_cut_by_the_loop(a))
         owed, raised = asyncio.run(second())
     finally:
-        for h in HOLDS:
-            h.go.set()
-        RULES.clear()
-        HOLDS.clear()
-        a.close()
+        release_holds(a)
     on_disk = forge_ckpt.committed_steps(str(tmp_path))
     print(f"owed before aclose(): {owed}; aclose() -> {raised!r}; committed {on_disk}")
     assert 2 in on_disk
