@@ -79,6 +79,8 @@ class Job:
                 await asyncio.sleep(TTL / 2)
                 continue
             self.oracle.opened(coord._lease.generation)
+            if self.name != "job0" and not self.w.handed_over.done():
+                self.w.handed_over.set_result(None)  # releases a held late COMMIT (world.py)
             # A process's leases die with it (lock.py keeps this process's in a registry).
             self.proc.on_kill.append(functools.partial(lock._LEASES.discard, coord._lease))
             return coord
@@ -325,10 +327,14 @@ async def _scenario(world: World, oracle: Oracle, jobs: list[Job]) -> None:
         simmem.faults_for_job(world, functools.partial(_procs, job))
         if rng.random() < 0.5:  # kill the job (or one of its actors) at a random moment
             victim = job.proc if rng.random() < 0.7 else None
-            world.loop.call_later(rng.uniform(0.0, 0.4), _kill_later, world, job, victim)
+            later = rng.uniform(0.0, 0.4)
+            if not (world.late_commit and n == 0):  # (a held COMMIT stalls it instead)
+                world.loop.call_later(later, _kill_later, world, job, victim)
         # A successor may not wait for the job to end: it takes the folder over as soon as
         # the lease of a stalled job expires (the stalled job's writes then land late).
         patience = TTL * rng.uniform(1.0, 3.0) if rng.random() < 0.3 else None
+        if world.late_commit and n == 0:  # its COMMIT is held: the successor takes over
+            patience = TTL * world.late.uniform(0.5, 1.5)
         try:
             await asyncio.wait_for(asyncio.shield(task), patience)
         except (Crash, asyncio.CancelledError):
@@ -340,7 +346,6 @@ async def _scenario(world: World, oracle: Oracle, jobs: list[Job]) -> None:
         for a in job.actors:
             world.kill(a.proc)
         oracle.check_storage()
-        del n
 
 
 def _procs(job: Job) -> list[Proc]:

@@ -27,6 +27,7 @@ from .loop import PROC, Clock, Crash, SimLoop, SimThread
 from .s3server import Bucket, Client
 
 _WORLDS: dict[str, World] = {}
+LATE_SHARE = 0.05  # schedules whose first job's COMMIT is held past the lease TTL (fix 8)
 
 
 @dataclass
@@ -90,8 +91,15 @@ class World:
         self.rng = random.Random(seed)
         self.cancels = random.Random(seed * 7919 + 1)  # the caller's deadlines (scenario.py)
         self.faults = Faults.draw(self.rng, s3)
+        # The late-COMMIT family: one of the first job's COMMIT writes is held past the TTL
+        # while its successor takes over (scenario.py). Drawn from a generator of its own, so
+        # the schedules outside the family stay as they were.
+        self.late = random.Random(seed * 104729 + 7)
+        self.late_commit = self.late.random() < LATE_SHARE
+        self._late_marker = self.late.randint(0, 1)  # which of its COMMIT writes (0: first)
         self.clock = Clock()
         self.loop = SimLoop(self.clock)
+        self.handed_over: asyncio.Future = self.loop.create_future()  # a successor opened
         self.root = root
         self.bucket = Bucket()
         self.client = Client(self.bucket, self.gate)
@@ -125,6 +133,15 @@ class World:
         for t in proc.tasks:
             t.cancel()
 
+    def _held_late(self, path: str, mutates: bool, proc: Proc | None) -> bool:
+        """Whether this is the late-COMMIT family's write to hold past the TTL."""
+        if not (self.late_commit and mutates and path.endswith(MARKER)):
+            return False
+        if proc is None or proc.name != "job0":
+            return False
+        self._late_marker -= 1
+        return self._late_marker == -1
+
     # ---- the gate ---------------------------------------------------------------------------
     def gate(self, op: str, path: str, mutates: bool) -> str:
         """'ok', 'fail' (nothing applied), 'lost' (applied, reply lost) or 'after' (applied,
@@ -147,6 +164,10 @@ class World:
         # each request below the TTL instead, docs/storage.md): not part of the fault model.
         delayed = r.random() < f.delay and "delete" not in op
         latency = self.ttl * r.uniform(1.05, 2.0) if delayed else r.uniform(0.0005, 0.01)
+        if th is not None and self._held_late(path, mutates, proc):
+            delayed = True  # held until a successor has opened, then lands amid its saves
+            th.wait_until(self.loop, self.handed_over, 6 * self.ttl)
+            latency = self.late.uniform(0.0, 0.1)
         if th is not None:
             th.pause(self.loop, latency)
         outcome = "ok"
