@@ -71,8 +71,12 @@ def test_the_seeds_past_the_budget_keep_every_invariant():
     """Seed 13881: a stalled job's load read the lease's record before its successor took the
     folder over, and returned the step that was newest then; the oracle held it to the
     successor's newer step (I2), now only a load by a job that kept the folder is. Seed 16233:
-    a stale job's memory save removed its successor's step in progress as a leftover (I1)."""
-    for seed in (13881, 16233):
+    a stale job's memory save removed its successor's step in progress as a leftover (I1).
+    Seeds 28030 and 52652: a job whose step preparation stalled past its lease had its actors
+    write into the step its successor was preparing; the successor's create-only write of
+    that file failed its save as "another writer" (I7; prepare_step now checks the lease
+    after its folders are made)."""
+    for seed in (13881, 16233, 28030, 52652):
         cmd = [sys.executable, "-m", "forge_ckpt.sim", "--seed", str(seed), "--jobs", "1"]
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=100, env=ENV)
         assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
