@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: setup run run-s3 test bench harness lint dist clean simulate
+.PHONY: setup run run-s3 test test-under-load bench harness lint dist clean simulate
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -24,6 +24,13 @@ run-s3: setup
 
 test: setup
 	$(PY) -m pytest -q --durations=25 $(PYTEST_ARGS)
+
+# The suite RUNS times in a row while BURN processes burn the CPU (issue 22: no test may
+# depend on timing); outcomes in runs/under_load.json.
+RUNS ?= 3
+BURN ?= 2
+test-under-load: setup
+	$(PY) scripts/under_load.py --runs $(RUNS) --burn $(BURN) -- $(PYTEST_ARGS)
 
 # More seeded schedules of the protocol simulation than `make test` runs (docs/protocol.md).
 SEEDS ?= 20000
