@@ -138,10 +138,11 @@ class CheckpointCoordinator:
             await asyncio.wait(set(pending))
         await self._follow_ups.run_owed(decide)
 
-    async def _quiesce(self) -> None:
+    async def _quiesce(self, decide: bool = False) -> None:
         """Before a save or a load: the storage calls of a cancelled one have ended, and a
-        set-aside it left behind (a rollback's save cancelled mid-move) is put back."""
-        await self._quiesce_calls()
+        set-aside it left behind (a rollback's save cancelled mid-move) is put back. A load
+        decides every owed follow-up (`decide`, review 10, B)."""
+        await self._quiesce_calls(decide=decide)
         if self._timeline.aside:
             await self._put_back()
 
@@ -445,7 +446,8 @@ class CheckpointCoordinator:
     async def wait(self, persisting: bool = True) -> SaveResult | None:
         """Wait for a background save (and, with the memory tier, its persist to the durable
         folder unless `persisting=False`); raises an error if one failed (never dropped)."""
-        pending, result, cut_off = self._pending, None, None
+        pending, result = self._pending, None
+        failure: Exception | None = None
         if pending is not None:
             # Shielded: a caller's deadline on this wait (or on the save or load it is part
             # of) must not cancel the background save; the next wait() still sees its end.
@@ -454,18 +456,33 @@ class CheckpointCoordinator:
             except asyncio.CancelledError:
                 if not pending.cancelled() or _cancelling():
                     raise  # the caller's own cancellation (the next wait() sees the end)
-                cut_off = self._cut_off_error()  # close(), or the end of its event loop
+                failure = self._cut_off_error()  # close(), or the end of its event loop
+            except Exception as e:  # raised below, once what is owed has run (review 10, C)
+                failure = e
             except BaseException:
                 self._pending = None
                 raise
             self._pending = None
         if persisting:  # what a cancelled save's commit set going (retention, a persist)
             await self._quiesce_calls(every=False)
-        if cut_off is not None:
-            raise cut_off
+        if failure is not None and (not persisting or pending is None or pending.cancelled()):
+            raise failure  # (a cut-off save: its loop's persists were cut off with it)
         if persisting and self.tier is not None:
-            await self.tier.flush()
+            await self._flush(failure)
+        if failure is not None:
+            raise failure
         return result
+
+    async def _flush(self, failure: Exception | None) -> None:
+        """The persists the memory tier has under way. Beside a failed save's error (raised
+        after this), a persist's failure is logged: a commit that landed was persisted."""
+        assert self.tier is not None
+        try:
+            await self.tier.flush()
+        except Exception as e:
+            if failure is None:
+                raise
+            log.warning("after the failed save: %s", e)
 
     def _cut_off_error(self) -> CheckpointSaveError:
         return CheckpointSaveError(
@@ -516,7 +533,7 @@ class CheckpointCoordinator:
         """The load itself; `load` emits its event."""
         await self._settle()
         self._calls.check_open()
-        await self._quiesce()
+        await self._quiesce(decide=True)
         self._timeline.forget()
         if self.tier is not None:
             await self._retire_memory()

@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from ..errors import CheckpointCorruptError, CheckpointError
-from ..steps import layout
+from ..steps import layout, lock
 from ..storage import Storage
 
 log = logging.getLogger("forge_ckpt")
@@ -43,6 +43,7 @@ class FollowUps:
         self._work, self._io, self._running, self._committed = work, io, running, committed
         self.tasks: set[asyncio.Future] = set()
         self.owed: list[Owed] = []
+        self._taken: set[asyncio.Future] = set()  # one per entry a caller took and holds
 
     def start(
         self,
@@ -79,29 +80,77 @@ class FollowUps:
     async def run_owed(self, decide: bool) -> None:
         """The follow-up of each owed commit that landed. One that cannot be checked waits
         for the next call, unless `decide` (a load, which decides from what it reads: run
-        after it, a rollback's would be undone; review 8)."""
-        while self.owed:
-            entry = self.owed.pop(0)  # taken: a caller beside this one takes the next (review 9)
-            manifest, store, abandons, durable = entry
-            try:
-                landed = await self._io(committed_as, store, manifest)
-            except Exception as e:
-                log.warning("could not tell whether step %d committed: %s%s", manifest.step, e,
-                            "" if decide else " (the next save, load or wait() looks again)")  # fmt: skip
-                if not decide:
-                    self.owed.insert(0, entry)
+        after it, a rollback's would be undone; review 8). A deciding caller also waits for
+        the entries other callers hold, and decides those they put back (review 10, B)."""
+        while True:
+            while self.owed:
+                if not await self._run_one(decide):
                     return
-                landed = False
-            if not landed:
-                continue
-            log.info("step %d was committed: running what its commit sets going", manifest.step)
-            self._committed(store, manifest.step)
-            done: asyncio.Future = asyncio.get_running_loop().create_future()
-            done.set_result(None)
-            try:
-                await asyncio.shield(self.start(done, manifest, store, abandons, durable))
-            except Exception as e:  # the step is committed: its follow-up is best effort
-                log.warning("after committing step %d: %s", manifest.step, e)
+            held = [f for f in self._taken if not f.done()]
+            if not decide or not held:
+                return
+            await self._await_held(held)
+
+    async def _await_held(self, held: list[asyncio.Future]) -> None:
+        """Until the callers that hold `held` are done with their entries."""
+        await asyncio.wait(held)
+
+    async def _run_one(self, decide: bool) -> bool:
+        """Take the first owed entry and settle it; False if it was put back (the caller
+        stops: it could not tell, and does not decide)."""
+        entry = self.owed.pop(0)  # taken: a caller beside this one takes the next (review 9)
+        held: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._taken.add(held)
+        try:
+            return await self._settle(entry, decide)
+        finally:  # after the entry went back, if it did: a deciding caller looks again
+            held.set_result(None)
+            self._taken.discard(held)
+
+    async def _settle(self, entry: Owed, decide: bool) -> bool:
+        manifest, store, abandons, durable = entry
+        try:
+            landed = await self._io(committed_as, store, manifest)
+        except asyncio.CancelledError:  # the caller's deadline, or its loop's end, while it
+            self.owed.insert(0, entry)  # looked: the entry stays owed (review 10, A)
+            raise
+        except Exception as e:
+            log.warning("could not tell whether step %d committed: %s%s", manifest.step, e,
+                        "" if decide else " (the next save, load or wait() looks again)")  # fmt: skip
+            if not decide:
+                self.owed.insert(0, entry)
+                return False
+            return True  # dropped: a load decides from what it can read (review 8)
+        if not landed:
+            await self._never(store, manifest.step)
+            return True
+        log.info("step %d was committed: running what its commit sets going", manifest.step)
+        self._committed(store, manifest.step)
+        done: asyncio.Future = asyncio.get_running_loop().create_future()
+        done.set_result(None)
+        try:
+            await asyncio.shield(self.start(done, manifest, store, abandons, durable))
+        except Exception as e:  # the step is committed: its follow-up is best effort
+            log.warning("after committing step %d: %s", manifest.step, e)
+        return True
+
+    async def _never(self, store: Storage, step: int) -> None:
+        """A commit read as not landed never lands later: the lease kept its step in its
+        record while the outcome was unknown (the next renewal would have recorded it, after
+        a load had resumed an older step: review 10, G), and drops it now."""
+        try:
+            await self._io(forget_step, store, step)
+        except Exception as e:  # a later lease write drops it (the record is dropped here)
+            log.warning("could not yet drop step %d from the lease's record: %s", step, e)
+
+
+def forget_step(store: Storage, step: int) -> None:
+    """Drop `step` from the caller's lease record on `store`, unless a commit of that number
+    stands (a retry of the step may have committed since). Nothing for a store without a
+    lease of its own (the memory tier: its COMMIT is its commit)."""
+    lease = lock.lease_of(store)
+    if lease is not None:
+        lease.drop_unless(step, lambda: layout.is_committed(store, step))
 
 
 def committed_as(store: Storage, manifest: layout.Manifest) -> bool:

@@ -297,6 +297,17 @@ class Lease:
             if write and self._written.intersection(steps):
                 self._write()
 
+    def drop_unless(self, step: int, stands: Callable[[], bool]) -> None:
+        """Drop `step` from the record (written now if the lease object may record it)
+        unless `stands()` (a commit of that number stands). The look and the drop hold the
+        mutex that `record` holds: a commit of that number recorded meanwhile is kept."""
+        with self._mutex:
+            if stands():
+                return
+            self.committed.pop(step, None)
+            if step in self._written:
+                self._write()
+
     def _check_held(self) -> None:
         if self._lost is not None:
             raise CheckpointLockedError(self._lost)

@@ -1,0 +1,183 @@
+"""Review 10: owed follow-ups (follow_ups.py) against held storage, no Ray.
+
+A: a caller cancelled while it looked whether an owed commit landed took the entry with it
+(its retention, or with the memory tier its pin and persist, never ran).
+B: a wait() beside a rollback load(step=K) put an entry back after the load's look; the load
+kept it owed, and the old branch's follow-up later undid the rollback (a deciding load now
+waits for the entries other callers hold and decides them).
+C: aclose() raised a background save's failure before running the owed follow-up.
+G: a commit whose lease record write failed before it applied stayed in the lease's own
+record; after a recovery load resumed the step before it, the next renewal recorded it and
+it came back (a commit read as not landed is dropped from the record now).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import threading
+from typing import Any
+
+import pytest
+from _held_storage import Clock, Comp, Handle, fail, held_rules, job  # noqa: F401
+from _owed_faults import failing_looks, lose_replies
+
+import forge_ckpt
+from forge_ckpt import CheckpointSaveError
+from forge_ckpt.coordination import follow_ups
+
+pytestmark = pytest.mark.usefixtures("held_rules")
+
+
+async def test_a_wait_cancelled_in_its_look_drops_the_owed_entry(tmp_path, monkeypatch):
+    a = job(tmp_path, Clock(), "host-a", keep_last=1)
+    a.register("c0", Handle(Comp(1)))
+    assert (await a.save(1)).committed
+    lose_replies(monkeypatch, {2})  # step 2 lands, its reply is lost: owed
+    with pytest.raises(CheckpointSaveError, match="outcome is unknown"):
+        await a.save(2)
+    assert [m.step for m, *_ in a._follow_ups.owed] == [2]
+    real, entered, go = follow_ups.committed_as, threading.Event(), threading.Event()
+
+    def slow_look(store: Any, manifest: Any) -> bool:  # a slow read (S3 retries, say)
+        entered.set()
+        assert go.wait(60)
+        return real(store, manifest)
+
+    monkeypatch.setattr(follow_ups, "committed_as", slow_look)
+    waiting = asyncio.ensure_future(a.wait())
+    assert await asyncio.to_thread(entered.wait, 60)
+    waiting.cancel()  # the caller's deadline, while the look is in flight
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    go.set()
+    monkeypatch.setattr(follow_ups, "committed_as", real)
+    owed_after = [m.step for m, *_ in a._follow_ups.owed]
+    await a.wait()  # the next call: nothing is owed any more
+    await a.aclose()
+    on_disk = forge_ckpt.committed_steps(str(tmp_path))
+    print(f"owed after the cancelled wait(): {owed_after}; committed {on_disk}")
+    assert owed_after == [2], "the cancelled caller took the owed entry with it"
+    assert on_disk == [2], f"step 2's follow-up (retention, keep_last=1) never ran: {on_disk}"
+
+
+async def test_a_rollback_load_beside_a_wait_is_undone(tmp_path, monkeypatch):
+    a = job(tmp_path, Clock(), "host-a", keep_last=10)
+    comp = Comp(1)
+    a.register("c0", Handle(comp))
+    assert (await a.save(1)).committed
+    lose_replies(monkeypatch, {2, 3})  # each lands (recorded), its reply is lost
+    with pytest.raises(CheckpointSaveError, match="outcome is unknown"):
+        await a.save(2)
+    real = follow_ups.committed_as
+    failing_looks(monkeypatch, 1)  # save(3)'s look at 2 fails: 2 stays owed
+    with pytest.raises(CheckpointSaveError, match="outcome is unknown"):
+        await a.save(3)
+    assert [m.step for m, *_ in a._follow_ups.owed] == [2, 3]
+    # the looks: load's at 2 (ok), wait()'s at 3 (fails), load's second at 3 (fails)
+    entered = [threading.Event() for _ in range(2)]
+    go = [threading.Event() for _ in range(2)]
+    looks: list[tuple[int, str]] = []
+    calls: list[int] = []
+
+    def scripted(store: Any, manifest: Any) -> bool:
+        i = len(calls)
+        calls.append(manifest.step)
+        if i < 2:
+            entered[i].set()
+            assert go[i].wait(60)
+        if i in (1, 2):
+            looks.append((manifest.step, "EIO"))
+            raise OSError(errno.EIO, "read failed (test)")
+        looks.append((manifest.step, "ok"))
+        return real(store, manifest)
+
+    monkeypatch.setattr(follow_ups, "committed_as", scripted)
+    loading = asyncio.ensure_future(a.load(step=1))  # roll back to step 1
+    assert await asyncio.to_thread(entered[0].wait, 60)  # the load looks at 2
+    waiting = asyncio.ensure_future(a.wait())  # e.g. a shutdown path's wait()
+    assert await asyncio.to_thread(entered[1].wait, 60)  # the wait() looks at 3
+    # The load's look at 2 ends; then it either looks again at once (before the fix: its
+    # `_quiesce`) or waits for the entry the wait() holds (the fix). Only then does the
+    # wait()'s look at 3 fail: it puts entry 3 back.
+    quiescing, blocked = asyncio.Event(), asyncio.Event()
+    quiesce, follow = a._quiesce, a._follow_ups
+
+    async def noted(*args: Any, **kw: Any) -> None:
+        quiescing.set()
+        await quiesce(*args, **kw)
+
+    async def held_noted(held: list) -> None:
+        blocked.set()
+        await asyncio.wait(held)
+
+    a._quiesce = noted  # type: ignore[method-assign]
+    follow._await_held = held_noted  # type: ignore[method-assign]
+    go[0].set()
+    either = [asyncio.ensure_future(e.wait()) for e in (quiescing, blocked)]
+    await asyncio.wait_for(asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED), 60)
+    for t in either:
+        t.cancel()
+    go[1].set()
+    loaded, _ = await asyncio.gather(loading, waiting)
+    owed_after_load = [m.step for m, *_ in a._follow_ups.owed]
+    assert loaded is not None and loaded.step == 1 and comp.version == 1
+    comp.version = 20  # trained again from step 1: the new branch
+    saved = await a.save(2)
+    comp.version = -1
+    again = await a.load()
+    await a.aclose()
+    print(
+        f"\nlooks {looks}; owed after load(step=1): {owed_after_load}; new-branch "
+        f"save(2) committed={saved.committed}; load() -> step {again and again.step}, "
+        f"version {comp.version}"
+    )
+    assert owed_after_load == [], "the load chose a step with a follow-up still undecided"
+    assert again is not None and (again.step, comp.version) == (2, 20), (
+        "the rollback was undone: the new branch's save(2) saved nothing"
+    )
+
+
+async def test_aclose_after_a_failed_background_save_drops_its_follow_up(tmp_path, monkeypatch):
+    a = job(tmp_path, Clock(), "host-a", async_mode="deferred", keep_last=1)
+    a.register("c0", Handle(Comp(1)))
+    await a.save(1)
+    await a.wait()
+    lose_replies(monkeypatch, {2})
+    await a.save(2)  # returns at the snapshots; its commit lands, the reply is lost
+    with pytest.raises(CheckpointSaveError, match="outcome is unknown") as raised:
+        await a.aclose()
+    on_disk = forge_ckpt.committed_steps(str(tmp_path))
+    owed = [m.step for m, *_ in a._follow_ups.owed]
+    print(f"\naclose() -> {str(raised.value)[:60]!r}...; owed left {owed}; committed {on_disk}")
+    assert on_disk == [2], f"step 2's retention (keep_last=1) never ran: {on_disk}"
+
+
+async def test_a_step_the_load_skipped_comes_back_with_the_next_renewal(tmp_path):
+    a = job(tmp_path, Clock(), "host-a", keep_last=10)
+    comp = Comp(1)
+    a.register("c0", Handle(comp))
+    assert (await a.save(1)).committed
+    comp.version = 2
+    fail("replace", ".forge_ckpt.lease")  # the record write of step 2, before it applies
+    with pytest.raises(CheckpointSaveError, match="outcome is unknown"):
+        await a.save(2)
+    comp.version = -1
+    loaded = await a.load()  # a recovery: step 2 is not committed (not in the lease)
+    assert loaded is not None
+    first = (loaded.step, comp.version)
+    a._lease.renew()  # what the renewal thread does within lease_ttl_s / 3
+    comp.version = 20  # trained again from step 1
+    saved = await a.save(2)
+    comp.version = -1
+    again = await a.load()
+    await a.aclose()
+    print(
+        f"\nrecovery load -> step {first[0]} version {first[1]}; after the renewal, "
+        f"save(2) committed={saved.committed}; load() -> step {again and again.step} "
+        f"version {comp.version}"
+    )
+    assert first == (1, 1)
+    assert again is not None and (again.step, comp.version) == (2, 20), (
+        "the new step 2 was never written: the save was told 'already committed'"
+    )
