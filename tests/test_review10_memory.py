@@ -1,19 +1,29 @@
 """Review 10 with the memory tier (the simulation's harness: virtual time, the real tier and
 holders): a landed memory save due to be persisted whose reply was lost is owed; a wait()
 cancelled while it looked (A), or aclose() raising the save's failure first (C), left it
-never pinned nor persisted, and close() took it with the holders (I1)."""
+never pinned nor persisted, and close() took it with the holders (I1).
+
+D: a node that joined later, whose holder never answers, stalled every save that looked for
+new nodes (START_TIMEOUT_S, then a call's 60 s) past save_timeout_s, and a healthy node that
+joined with it was never used; each new node now gets JOIN_WAIT_S per look, on its own.
+D2: an open of the folder beside one of the run's holders that hangs failed with Ray's bare
+GetTimeoutError; the tier now goes on without that holder, as if its node were lost."""
 
 from __future__ import annotations
 
 import asyncio
 import errno
+import functools
 from typing import Any
 
 import pytest
-from test_sim_memory import Job, world  # noqa: F401
+from test_sim_memory import Job, wait_out_the_lease, world  # noqa: F401
 
-from forge_ckpt import CheckpointSaveError
+from forge_ckpt import CheckpointCoordinator, CheckpointSaveError
 from forge_ckpt.coordination import follow_ups
+from forge_ckpt.coordination.runtime import Runtime
+from forge_ckpt.sim.loop import SimQueueLock, run_io
+from forge_ckpt.sim.memory import SimCluster
 from forge_ckpt.steps import commit, layout
 
 
@@ -88,3 +98,75 @@ def test_aclose_drops_a_landed_memory_step(world, monkeypatch):  # noqa: F811
         f"the next job loads step {got and got.step} ({got and got.tier})"
     )
     assert 2 in durable, "committed memory step 2 was never persisted and is gone"
+
+
+def test_a_holder_that_never_starts_stalls_every_save(world, monkeypatch):  # noqa: F811
+    cluster: SimCluster = world.memory
+    run_call, hung = cluster.run_call, "nodej001"
+
+    def never_on_the_hung_node(call: Any) -> asyncio.Future:
+        if call.holder.node == hung:
+            return world.loop.create_future()  # no answer, ever
+        return run_call(call)
+
+    monkeypatch.setattr(cluster, "run_call", never_on_the_hung_node)
+    a = Job(world, "jobA", save_timeout_s=30.0, load_timeout_s=30.0)
+    assert a.run(a.coord.save(1)).committed
+    cluster.join_node()  # nodej001: its holder never answers
+    cluster.join_node()  # nodej002: a healthy node
+    took = []
+    for step in (2, 3, 4):
+        world.loop.run_until_complete(asyncio.sleep(3.0))  # past NODES_EVERY_S
+        t0 = world.clock.now
+        assert a.run(a.coord.save(step)).committed
+        took.append(round(world.clock.now - t0, 1))
+    t0 = world.clock.now
+    a.run(a.coord.load())
+    load_s = round(world.clock.now - t0, 1)
+    nodes = sorted(node for _, node in a.coord.tier.holders)
+    a.coord.close()
+    print(
+        f"\nsync save() took {took} virtual s (save_timeout_s=30); a load {load_s} s; "
+        f"holders used: {nodes}"
+    )
+    assert max(took) <= 30, f"a save took {max(took)} s (save_timeout_s=30)"
+    assert "nodej002" in nodes, "the healthy new node's holder is never used"
+
+
+async def open_in_a_thread(job: Job) -> CheckpointCoordinator:
+    """As a driver opens it: the constructor's blocking Ray calls in a (simulated) thread,
+    so that they meet the holders' latency and timeouts (the sim's own Job opens inline,
+    where every holder call answers at once)."""
+    rt = Runtime(to_thread=run_io, wall=job.w.clock.wall, lease_thread=False,
+                 identity=job.proc.identity(), lock=SimQueueLock)  # fmt: skip
+    job.coord = await run_io(functools.partial(CheckpointCoordinator, job.config, runtime=rt))
+    return job.coord
+
+
+def test_open_with_a_hung_holder(world, monkeypatch):  # noqa: F811
+    cluster: SimCluster = world.memory
+    a = Job(world, "jobA")
+    assert a.run(a.coord.save(1)).committed
+    world.kill(a.proc)  # the driver dies; its holders stay
+    wait_out_the_lease(world)
+    run_call = cluster.run_call
+
+    def hung_on_node1(call: Any) -> asyncio.Future:
+        if call.holder.node == "node0001":
+            return world.loop.create_future()
+        return run_call(call)
+
+    monkeypatch.setattr(cluster, "run_call", hung_on_node1)
+    outcomes = []
+    for name in ("jobB", "jobC"):
+        b = Job(world, name, opened=False)
+        t0 = world.clock.now
+        try:
+            b.run(open_in_a_thread(b))
+            outcomes.append(("opened", round(world.clock.now - t0, 1)))
+            b.coord.close()
+        except BaseException as e:  # noqa: BLE001 (what the opener sees is the point)
+            outcomes.append((f"{type(e).__module__}.{type(e).__name__}: {e}",
+                             round(world.clock.now - t0, 1)))  # fmt: skip
+    print(f"\nopens: {outcomes}")
+    assert all(o[0] == "opened" for o in outcomes), outcomes

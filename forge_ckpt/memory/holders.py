@@ -31,6 +31,14 @@ NAME_GONE_S = 30.0  # Ray releases a killed actor's name asynchronously
 # A holder's first answer includes its process start: on a busy node that takes far longer
 # than a call (a 60 s bound failed the tier's opening under a CPU-bound load).
 START_TIMEOUT_S = 300.0
+# A node that joins later is looked for by saves: its holder gets this long per look, and
+# one that has not answered is left for a later look (a save never waits START_TIMEOUT_S).
+JOIN_WAIT_S = 5.0
+CALL_S = 60.0  # a holder already there (of this run or another) answers within this
+
+
+class NotReady(Exception):
+    """A holder that has not answered yet (a node that joined later: tried again later)."""
 
 
 def run_id_of(folder: str) -> str:
@@ -66,48 +74,76 @@ class Identity:
         self.run_id, self.fingerprint, self.incarnation = run_id, fingerprint, inc
         self.namespace = namespace
 
-    def start(self, nodes: list[str], budget: int, keep: int) -> list[HolderRef]:
+    def start(
+        self, nodes: list[str], budget: int, keep: int, joined: bool = False
+    ) -> list[HolderRef]:
         """Find or start this run's holder on each node; each answers (with our budget)
-        before the first save."""
+        before the first save. `joined`: nodes that joined since the tier opened, looked
+        for by a save: each gets JOIN_WAIT_S, and those that have not answered are left
+        out (a later look tries them again) instead of failing the rest (review 10, D)."""
         cluster = current()
         if not cluster.ready():
             raise CheckpointError("the memory tier needs Ray: call ray.init() first")
+        wait_s = JOIN_WAIT_S if joined else START_TIMEOUT_S
         refs = []
         for node in nodes:
             name = holder_name(self.run_id, node)
-            self._retire_foreign(name)
+            try:  # (a holder already there answers within a call's bound, or is hung)
+                self._retire_foreign(name, min(wait_s, CALL_S))
+            except NotReady:  # hung (its node not yet declared dead): as if the node were
+                log.warning("memory tier: the holder on node %s does not answer; going on "
+                            "without it (a later save looks again)", node[:8])  # fmt: skip
+                continue  # lost (review 10, D2)
             try:
                 cluster.actor(name, self.namespace)
             except ValueError:
                 self._create(name, node, budget, keep)
             refs.append((name, node))
+        ready = []
         for name, node in refs:
             try:
-                h = cluster.actor(name, self.namespace)
-                cluster.get(h.configure.remote(budget, keep), timeout=START_TIMEOUT_S)
+                self._configure(name, node, budget, keep, wait_s)
             except ray.exceptions.GetTimeoutError:
-                raise CheckpointError(
-                    f"the memory holder on node {node[:8]} did not start within "
-                    f"{START_TIMEOUT_S:.0f}s (memory.holders.START_TIMEOUT_S): is that node "
-                    "overloaded or out of CPU/memory for a new actor? Retry, or run without "
-                    "the memory tier (memory_every=0)"
-                ) from None
-            except (ValueError, ray.exceptions.RayActorError):
-                # It died since we looked (a closing run's holder going away): start anew.
-                self._wait_gone(name)
-                forget(self.namespace, name)
-                self._create(name, node, budget, keep)
-        return refs
+                if not joined:
+                    raise self._no_answer(node, wait_s) from None
+                log.warning("memory tier: the holder on new node %s has not answered within "
+                            "%.0fs; a later save looks again", node[:8], wait_s)  # fmt: skip
+                continue
+            ready.append((name, node))
+        return ready
 
-    def _retire_foreign(self, name: str) -> None:
+    def _configure(self, name: str, node: str, budget: int, keep: int, wait_s: float) -> None:
+        cluster = current()
+        try:
+            h = cluster.actor(name, self.namespace)
+            cluster.get(h.configure.remote(budget, keep), timeout=wait_s)
+        except (ValueError, ray.exceptions.RayActorError):
+            # It died since we looked (a closing run's holder going away): start anew.
+            self._wait_gone(name)
+            forget(self.namespace, name)
+            self._create(name, node, budget, keep)
+
+    @staticmethod
+    def _no_answer(node: str, wait_s: float) -> CheckpointError:
+        what = "START_TIMEOUT_S" if wait_s == START_TIMEOUT_S else "CALL_S"
+        return CheckpointError(
+            f"the memory holder on node {node[:8]} did not answer within {wait_s:.0f}s "
+            f"(memory.holders.{what}): is that node overloaded or out of CPU/memory for a "
+            "new actor? Retry, or run without the memory tier (memory_every=0)"
+        )
+
+    def _retire_foreign(self, name: str, wait_s: float = CALL_S) -> None:
         """Kill a holder of this folder left by another run: another fingerprint, or the run
-        of an earlier incarnation of the folder (deleted and made again since)."""
+        of an earlier incarnation of the folder (deleted and made again since). NotReady if
+        the holder there does not answer within `wait_s`."""
         cluster = current()
         try:
             old = cluster.actor(name, self.namespace)
-            info = cluster.get(old.info.remote(), timeout=60)
+            info = cluster.get(old.info.remote(), timeout=wait_s)
         except (ValueError, ray.exceptions.RayActorError):
             return
+        except ray.exceptions.GetTimeoutError:
+            raise NotReady(name) from None
         theirs = (info["fingerprint"], info.get("incarnation", ""))
         if theirs == (self.fingerprint, self.incarnation):
             return

@@ -106,15 +106,17 @@ class MemoryTier:
         self._checked_nodes = now
         known = {node for _, node in self.holders}
         new = [n for n in alive_nodes() if n not in known]
-        if new:
-            self._use([*self.holders, *self._start_holders(new)])
-            log.info("memory tier: holders started on new nodes %s", [n[:8] for n in new])
-        return new
+        started = self._start_holders(new, joined=True) if new else []
+        if started:
+            self._use([*self.holders, *started])
+            log.info("memory tier: holders started on new nodes %s",
+                     [n[:8] for _, n in started])  # fmt: skip
+        return [n for _, n in started]
 
     # ---- holders -----------------------------------------------------------------------
-    def _start_holders(self, nodes: list[str]) -> list[HolderRef]:
+    def _start_holders(self, nodes: list[str], joined: bool = False) -> list[HolderRef]:
         cfg = self.config
-        return self.identity.start(nodes, cfg.memory_budget_bytes, cfg.memory_keep)
+        return self.identity.start(nodes, cfg.memory_budget_bytes, cfg.memory_keep, joined)
 
     def shutdown(self) -> None:
         """Kill this run's holders (their copies are gone): for a run that is over."""
