@@ -446,9 +446,11 @@ class CheckpointCoordinator:
     async def wait(self, persisting: bool = True) -> SaveResult | None:
         """Wait for a background save (and, with the memory tier, its persist to the durable
         folder unless `persisting=False`); raises an error if one failed (never dropped)."""
-        pending, result = self._pending, None
+        pending, result, cut = self._pending, None, False
         failure: Exception | None = None
-        if pending is not None:
+        if pending is not None and not pending.done() and pending.get_loop().is_closed():
+            failure, cut = self._cut_off_error(), True  # its loop closed under it (review 10, F)
+        elif pending is not None:
             # Shielded: a caller's deadline on this wait (or on the save or load it is part
             # of) must not cancel the background save; the next wait() still sees its end.
             try:
@@ -456,16 +458,16 @@ class CheckpointCoordinator:
             except asyncio.CancelledError:
                 if not pending.cancelled() or _cancelling():
                     raise  # the caller's own cancellation (the next wait() sees the end)
-                failure = self._cut_off_error()  # close(), or the end of its event loop
+                failure, cut = self._cut_off_error(), True  # close(), or its loop's end
             except Exception as e:  # raised below, once what is owed has run (review 10, C)
                 failure = e
             except BaseException:
                 self._pending = None
                 raise
-            self._pending = None
+        self._pending = None
         if persisting:  # what a cancelled save's commit set going (retention, a persist)
             await self._quiesce_calls(every=False)
-        if failure is not None and (not persisting or pending is None or pending.cancelled()):
+        if failure is not None and (cut or not persisting):
             raise failure  # (a cut-off save: its loop's persists were cut off with it)
         if persisting and self.tier is not None:
             await self._flush(failure)
