@@ -27,20 +27,36 @@ from forge_ckpt.sim.memory import SimCluster
 from forge_ckpt.steps import commit, layout
 
 
-def test_a_cancelled_wait_loses_a_landed_memory_step(world, monkeypatch):  # noqa: F811
-    a = Job(world, "jobA", durable_every=1)
-    assert a.coord.tier is not None and a.run(a.coord.save(1)).committed
-    a.run(a.coord.wait())
+def lose_memory_reply(a: Job, monkeypatch: Any, step: int) -> list[list[int]]:
+    """`step`'s memory commit lands and its reply is lost (once); the list gets what readers
+    counted as it landed."""
     real, seen = commit.commit_step, []
 
     def reply_lost(store: Any, manifest: Any, *args: Any) -> Any:
         out = real(store, manifest, *args)
-        if manifest.step == 2 and store is a.coord.tier.store and not seen:
+        if manifest.step == step and store is a.coord.tier.store and not seen:
             seen.append(layout.committed_steps(store))
             raise OSError(errno.EIO, "reply lost (test)")
         return out
 
     monkeypatch.setattr(commit, "commit_step", reply_lost)
+    return seen
+
+
+def next_job_sees(w: Any) -> tuple[Any, list[int]]:
+    """What the next job of the folder loads, and its durable steps."""
+    b = Job(w, "jobB")
+    got = b.run(b.coord.load())
+    durable = b.coord.steps()
+    b.coord.close()
+    return got, durable
+
+
+def test_a_cancelled_wait_loses_a_landed_memory_step(world, monkeypatch):  # noqa: F811
+    a = Job(world, "jobA", durable_every=1)
+    assert a.coord.tier is not None and a.run(a.coord.save(1)).committed
+    a.run(a.coord.wait())
+    seen = lose_memory_reply(a, monkeypatch, 2)
     with pytest.raises(CheckpointSaveError, match="outcome is unknown"):
         a.run(a.coord.save(2))
     owed = [m.step for m, *_ in a.coord._follow_ups.owed]
@@ -58,10 +74,7 @@ def test_a_cancelled_wait_loses_a_landed_memory_step(world, monkeypatch):  # noq
     left = [m.step for m, *_ in a.coord._follow_ups.owed]
     a.run(a.coord.aclose())
     world.loop.run_until_complete(asyncio.sleep(1.0))  # the cancelled look's thread ends
-    b = Job(world, "jobB")
-    got = b.run(b.coord.load())
-    durable = b.coord.steps()
-    b.coord.close()
+    got, durable = next_job_sees(world)
     print(
         f"\ncommitted memory steps as step 2 landed: {seen[0]}; owed {owed}, after the "
         f"cancelled wait() {left}; durable after aclose() {durable}; next job loads "
@@ -75,24 +88,12 @@ def test_aclose_drops_a_landed_memory_step(world, monkeypatch):  # noqa: F811
     assert a.coord.tier is not None
     a.run(a.coord.save(1))
     a.run(a.coord.wait())  # step 1: in memory and persisted
-    real, lost = commit.commit_step, []
-
-    def reply_lost(store: Any, manifest: Any, *args: Any) -> Any:
-        out = real(store, manifest, *args)
-        if manifest.step == 2 and store is a.coord.tier.store and not lost:
-            lost.append(layout.committed_steps(store))  # what readers count now
-            raise OSError(errno.EIO, "reply lost (test)")
-        return out
-
-    monkeypatch.setattr(commit, "commit_step", reply_lost)
+    lost = lose_memory_reply(a, monkeypatch, 2)
     a.run(a.coord.save(2))
     with pytest.raises(CheckpointSaveError, match="outcome is unknown"):
         a.run(a.coord.aclose())
     in_memory = lost[0]
-    b = Job(world, "jobB")
-    got = b.run(b.coord.load())
-    durable = b.coord.steps()
-    b.coord.close()
+    got, durable = next_job_sees(world)
     print(
         f"\ncommitted memory steps as step 2 landed: {in_memory}; after it, durable {durable}; "
         f"the next job loads step {got and got.step} ({got and got.tier})"

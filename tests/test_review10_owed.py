@@ -34,6 +34,17 @@ from forge_ckpt.errors import CheckpointLockedError
 pytestmark = pytest.mark.usefixtures("held_rules")
 
 
+async def train_again_save_and_load(a: Any, comp: Any, step: int) -> tuple[Any, Any]:
+    """The job trains again from the step it resumed (version 20), saves `step`, then loads
+    what is newest: (the save's result, the load's result; comp.version is what it loaded)."""
+    comp.version = 20
+    saved = await a.save(step)
+    comp.version = -1
+    again = await a.load()
+    await a.aclose()
+    return saved, again
+
+
 async def test_a_wait_cancelled_in_its_look_drops_the_owed_entry(tmp_path, monkeypatch):
     a = job(tmp_path, Clock(), "host-a", keep_last=1)
     a.register("c0", Handle(Comp(1)))
@@ -127,11 +138,7 @@ async def test_a_rollback_load_beside_a_wait_is_undone(tmp_path, monkeypatch):
     loaded, _ = await asyncio.gather(loading, waiting)
     owed_after_load = [m.step for m, *_ in a._follow_ups.owed]
     assert loaded is not None and loaded.step == 1 and comp.version == 1
-    comp.version = 20  # trained again from step 1: the new branch
-    saved = await a.save(2)
-    comp.version = -1
-    again = await a.load()
-    await a.aclose()
+    saved, again = await train_again_save_and_load(a, comp, 2)  # the new branch
     print(
         f"\nlooks {looks}; owed after load(step=1): {owed_after_load}; new-branch "
         f"save(2) committed={saved.committed}; load() -> step {again and again.step}, "
@@ -172,11 +179,7 @@ async def test_a_step_the_load_skipped_comes_back_with_the_next_renewal(tmp_path
     assert loaded is not None
     first = (loaded.step, comp.version)
     a._lease.renew()  # what the renewal thread does within lease_ttl_s / 3
-    comp.version = 20  # trained again from step 1
-    saved = await a.save(2)
-    comp.version = -1
-    again = await a.load()
-    await a.aclose()
+    saved, again = await train_again_save_and_load(a, comp, 2)
     print(
         f"\nrecovery load -> step {first[0]} version {first[1]}; after the renewal, "
         f"save(2) committed={saved.committed}; load() -> step {again and again.step} "
