@@ -7,7 +7,9 @@ D: a node that joined later, whose holder never answers, stalled every save that
 new nodes (START_TIMEOUT_S, then a call's 60 s) past save_timeout_s, and a healthy node that
 joined with it was never used; each new node now gets JOIN_WAIT_S per look, on its own.
 D2: an open of the folder beside one of the run's holders that hangs failed with Ray's bare
-GetTimeoutError; the tier now goes on without that holder, as if its node were lost."""
+GetTimeoutError; the tier now goes on without that holder, as if its node were lost.
+Review 11, claim 7: an owed memory commit settled after a node joined (the tier's store
+object replaced) was taken for a durable one: never pinned nor persisted."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import functools
 from typing import Any
 
 import pytest
+from _owed_faults import failing_looks
 from test_sim_memory import Job, wait_out_the_lease, world  # noqa: F401
 
 from forge_ckpt import CheckpointCoordinator, CheckpointSaveError
@@ -171,3 +174,30 @@ def test_open_with_a_hung_holder(world, monkeypatch):  # noqa: F811
                              round(world.clock.now - t0, 1)))  # fmt: skip
     print(f"\nopens: {outcomes}")
     assert all(o[0] == "opened" for o in outcomes), outcomes
+
+
+@pytest.mark.parametrize("join", [False, True], ids=["control-no-join", "a-node-joins"])
+def test_an_owed_memory_commit_settled_after_a_node_joined(world, monkeypatch, join):  # noqa: F811
+    cluster: SimCluster = world.memory
+    a = Job(world, "jobA", durable_every=1)  # every memory step is due to be persisted
+    assert a.coord.tier is not None and a.run(a.coord.save(1)).committed
+    a.run(a.coord.wait())
+    seen = lose_memory_reply(a, monkeypatch, 2)
+    with pytest.raises(CheckpointSaveError, match="outcome is unknown"):
+        a.run(a.coord.save(2))
+    old_store = a.coord.tier.store
+    if join:
+        cluster.join_node()  # a replacement node joins
+    world.loop.run_until_complete(asyncio.sleep(3.0))  # past NODES_EVERY_S
+    failing_looks(monkeypatch, 1)  # save(3)'s look at 2 fails: 2 stays owed
+    assert a.run(a.coord.save(3)).committed  # its follow-up finds the new node
+    replaced = a.coord.tier.store is not old_store
+    a.run(a.coord.wait())  # settles 2: landed
+    a.run(a.coord.aclose())
+    _, durable = next_job_sees(world)
+    print(
+        f"\nmemory steps as step 2 landed: {seen[0]}; tier store replaced by the join: "
+        f"{replaced}; durable after aclose(): {durable}"
+    )
+    assert replaced == join, "the join did not replace the store (test broken)"
+    assert 2 in durable, "committed memory step 2 (due) was never persisted and is gone"

@@ -23,13 +23,16 @@ import threading
 from typing import Any
 
 import pytest
-from _held_storage import Clock, Comp, Handle, fail, held_rules, job  # noqa: F401
+from _held_storage import Clock, Comp, Handle, HeldFS, fail, held_rules, job  # noqa: F401
 from _owed_faults import failing_looks, lose_replies
 
 import forge_ckpt
 from forge_ckpt import CheckpointConfig, CheckpointCoordinator, CheckpointSaveError
 from forge_ckpt.coordination import follow_ups
 from forge_ckpt.errors import CheckpointLockedError
+from forge_ckpt.steps import lock
+from forge_ckpt.steps.layout import LEASE
+from forge_ckpt.storage import PreconditionFailedError
 
 pytestmark = pytest.mark.usefixtures("held_rules")
 
@@ -165,7 +168,15 @@ async def test_aclose_after_a_failed_background_save_drops_its_follow_up(tmp_pat
     assert on_disk == [2], f"step 2's retention (keep_last=1) never ran: {on_disk}"
 
 
-async def test_a_step_the_load_skipped_comes_back_with_the_next_renewal(tmp_path):
+@pytest.mark.parametrize("failed_looks", [0, 1])
+async def test_a_step_the_load_skipped_comes_back_with_the_next_renewal(
+    tmp_path, monkeypatch, failed_looks
+):
+    """Its `COMMIT` written, step 2's record write fails before it applies: the lease's own
+    record holds it (a later renewal writes it). The recovery load writes that record before
+    it reads (review 11: dropping the step instead lost it when the record write landed
+    late), also when its look then fails (review 11, claim 2): it resumes step 2, and a
+    renewal after it changes nothing it chose from."""
     a = job(tmp_path, Clock(), "host-a", keep_last=10)
     comp = Comp(1)
     a.register("c0", Handle(comp))
@@ -174,21 +185,69 @@ async def test_a_step_the_load_skipped_comes_back_with_the_next_renewal(tmp_path
     fail("replace", ".forge_ckpt.lease")  # the record write of step 2, before it applies
     with pytest.raises(CheckpointSaveError, match="outcome is unknown"):
         await a.save(2)
+    failing_looks(monkeypatch, failed_looks)  # the recovery load's look: read errors
     comp.version = -1
-    loaded = await a.load()  # a recovery: step 2 is not committed (not in the lease)
+    loaded = await a.load()  # a recovery: decides the owed commit of step 2
     assert loaded is not None
-    first = (loaded.step, comp.version)
+    first, listed = (loaded.step, comp.version), forge_ckpt.committed_steps(str(tmp_path))
     a._lease.renew()  # what the renewal thread does within lease_ttl_s / 3
-    saved, again = await train_again_save_and_load(a, comp, 2)
+    after_renewal = forge_ckpt.committed_steps(str(tmp_path))
+    saved, again = await train_again_save_and_load(a, comp, first[0] + 1)
     print(
-        f"\nrecovery load -> step {first[0]} version {first[1]}; after the renewal, "
-        f"save(2) committed={saved.committed}; load() -> step {again and again.step} "
-        f"version {comp.version}"
+        f"\nrecovery load -> step {first[0]} version {first[1]}, listed {listed}; after the "
+        f"renewal {after_renewal}; save({first[0] + 1}) committed={saved.committed}; load() "
+        f"-> step {again and again.step} version {comp.version}"
     )
-    assert first == (1, 1)
-    assert again is not None and (again.step, comp.version) == (2, 20), (
-        "the new step 2 was never written: the save was told 'already committed'"
-    )
+    assert first == (listed[-1], listed[-1]), "the load did not resume the newest step"
+    assert after_renewal == listed, "a renewal changed the steps the load chose from"
+    assert again is not None and (again.step, comp.version) == (first[0] + 1, 20)
+
+
+async def test_a_record_write_that_lands_late_is_never_undone(tmp_path, monkeypatch):
+    """Review 11, claims 1 and 1b: step 2's record write is sent, its caller told EIO, and it
+    lands later. The load writes the lease's record (step 2 in it) before it reads, and the
+    late write, conditional on the old tag, then lands nowhere: no reader ever sees step 2
+    come and go (dropping it from the record, review 10's first fix for G, undid it)."""
+    a = job(tmp_path, Clock(), "host-a", keep_last=10)
+    comp = Comp(1)
+    a.register("c0", Handle(comp))
+    assert (await a.save(1)).committed
+    comp.version = 2
+    in_flight: list[tuple[Any, str, bytes, str]] = []
+    arm = [False]
+    real_replace, real_record = HeldFS.replace, lock.Lease.record
+
+    def replace(self: Any, path: str, data: bytes, tag: str) -> Any:
+        if arm[0] and path.endswith(LEASE):  # sent; the client gives up; it lands later
+            arm[0] = False
+            in_flight.append((self, path, bytes(data), tag))
+            raise OSError(errno.EIO, "timed out (test): the request is still in flight")
+        return real_replace(self, path, data, tag)
+
+    def record(self: Any, step: int, generation: int) -> None:
+        arm[0] = step == 2
+        try:
+            real_record(self, step, generation)
+        finally:
+            arm[0] = False
+
+    monkeypatch.setattr(HeldFS, "replace", replace)
+    monkeypatch.setattr(lock.Lease, "record", record)
+    with pytest.raises(CheckpointSaveError, match="outcome is unknown"):
+        await a.save(2)
+    comp.version = -1
+    loaded = await a.load()
+    seen = [forge_ckpt.committed_steps(str(tmp_path))]
+    store, path, data, tag = in_flight.pop()
+    with pytest.raises(PreconditionFailedError):
+        real_replace(store, path, data, tag)  # the late write: its tag is gone
+    seen.append(forge_ckpt.committed_steps(str(tmp_path)))
+    a._lease.renew()
+    seen.append(forge_ckpt.committed_steps(str(tmp_path)))
+    await a.aclose()
+    print(f"\nload -> step {loaded and loaded.step} (version {comp.version}); a reader: {seen}")
+    assert loaded is not None and (loaded.step, comp.version) == (2, 2)
+    assert seen == [[1, 2]] * 3
 
 
 def test_a_loop_closed_with_a_deferred_save_in_flight(tmp_path):

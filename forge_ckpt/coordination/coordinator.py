@@ -134,6 +134,7 @@ class CheckpointCoordinator:
         """What a cancelled save's commit set going (`_follow`) has ended and, if `every`
         (a save or load), every storage call a cancelled save or load left running; then a
         commit whose follow-up was cut off has it (follow_ups.py)."""
+        self._follow_ups.reap_closed()
         while pending := (self._running if every else self._follow_ups.tasks):
             await asyncio.wait(set(pending))
         await self._follow_ups.run_owed(decide)
@@ -351,7 +352,9 @@ class CheckpointCoordinator:
             except (OSError, CheckpointError) as e:  # loads skip them; a later save removes them
                 self._timeline.forget(self.store)  # their numbers are not free yet
                 log.warning("could not yet remove the abandoned steps: %s", e)
-        if self.tier is not None and store is self.tier.store:  # maybe persisted, later
+        if self.tier is not None and store is not self.store:  # maybe persisted, later
+            # (`store` is the tier's, maybe an older object of it: a node that joined
+            # since replaced it; review 11, claim 7)
             persist = (self._commit, self._retention)
             return await self.tier.committed(manifest, self.store, persist, durable)
         await self._retention()
@@ -464,13 +467,13 @@ class CheckpointCoordinator:
             except BaseException:
                 self._pending = None
                 raise
-        self._pending = None
+        # `_pending` stays until its outcome is raised or returned: a caller cancelled in
+        # what follows leaves it to the next wait() (review 11, claim 6).
         if persisting:  # what a cancelled save's commit set going (retention, a persist)
             await self._quiesce_calls(every=False)
-        if failure is not None and (cut or not persisting):
-            raise failure  # (a cut-off save: its loop's persists were cut off with it)
-        if persisting and self.tier is not None:
-            await self._flush(failure)
+        if persisting and self.tier is not None and not cut:
+            await self._flush(failure)  # (a cut-off save's persists were cut off with it)
+        self._pending = None
         if failure is not None:
             raise failure
         return result

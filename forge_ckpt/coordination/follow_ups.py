@@ -44,6 +44,7 @@ class FollowUps:
         self.tasks: set[asyncio.Future] = set()
         self.owed: list[Owed] = []
         self._taken: set[asyncio.Future] = set()  # one per entry a caller took and holds
+        self._of: dict[asyncio.Future, Owed] = {}  # each follow-up task: what it follows
 
     def start(
         self,
@@ -54,11 +55,26 @@ class FollowUps:
         durable: bool | None,
     ) -> asyncio.Task:
         """The follow-up of `commit_call` (a storage call), once it returns."""
-        task = asyncio.ensure_future(self._after(commit_call, (manifest, store, abandons, durable)))
+        owed = (manifest, store, abandons, durable)
+        task = asyncio.ensure_future(self._after(commit_call, owed))
+        self._of[task] = owed
+        task.add_done_callback(lambda t: self._of.pop(t, None))
         for tasks in (self._running, self.tasks):
             tasks.add(task)
             task.add_done_callback(tasks.discard)
         return task
+
+    def reap_closed(self) -> None:
+        """Follow-ups, and the coordinator's calls, of an event loop closed without ending
+        them (no asyncio.run(): nothing cancelled them) never end: they are dropped, and
+        each follow-up is owed instead (review 11, claim 5)."""
+        for fut in [f for f in self._running if not f.done() and f.get_loop().is_closed()]:
+            self._running.discard(fut)
+            self.tasks.discard(fut)
+            owed = self._of.pop(fut, None)
+            if owed is not None:
+                self.owed.append(owed)
+        self._taken = {f for f in self._taken if not f.get_loop().is_closed()}
 
     async def _after(self, commit_call: asyncio.Future, owed: Owed) -> Any:
         """The work's result (the persist a due memory step's waits for), or None."""
@@ -110,6 +126,10 @@ class FollowUps:
     async def _settle(self, entry: Owed, decide: bool) -> bool:
         manifest, store, abandons, durable = entry
         try:
+            # The lease's own record may hold the step while the folder's may not (a record
+            # write of unknown outcome, which a later renewal would land): written first,
+            # so that what is read is what stays (review 10 G, review 11).
+            await self._io(settle_record, store)
             landed = await self._io(committed_as, store, manifest)
         except asyncio.CancelledError:  # the caller's deadline, or its loop's end, while it
             self.owed.insert(0, entry)  # looked: the entry stays owed (review 10, A)
@@ -122,7 +142,6 @@ class FollowUps:
                 return False
             return True  # dropped: a load decides from what it can read (review 8)
         if not landed:
-            await self._never(store, manifest.step)
             return True
         log.info("step %d was committed: running what its commit sets going", manifest.step)
         self._committed(store, manifest.step)
@@ -134,23 +153,13 @@ class FollowUps:
             log.warning("after committing step %d: %s", manifest.step, e)
         return True
 
-    async def _never(self, store: Storage, step: int) -> None:
-        """A commit read as not landed never lands later: the lease kept its step in its
-        record while the outcome was unknown (the next renewal would have recorded it, after
-        a load had resumed an older step: review 10, G), and drops it now."""
-        try:
-            await self._io(forget_step, store, step)
-        except Exception as e:  # a later lease write drops it (the record is dropped here)
-            log.warning("could not yet drop step %d from the lease's record: %s", step, e)
 
-
-def forget_step(store: Storage, step: int) -> None:
-    """Drop `step` from the caller's lease record on `store`, unless a commit of that number
-    stands (a retry of the step may have committed since). Nothing for a store without a
-    lease of its own (the memory tier: its COMMIT is its commit)."""
+def settle_record(store: Storage) -> None:
+    """The caller's lease on `store` writes its commit record if the folder's may differ
+    (nothing for a store without a lease of its own: the memory tier's COMMIT is its commit)."""
     lease = lock.lease_of(store)
     if lease is not None:
-        lease.drop_unless(step, lambda: layout.is_committed(store, step))
+        lease.settle_record()
 
 
 def committed_as(store: Storage, manifest: layout.Manifest) -> bool:

@@ -297,15 +297,14 @@ class Lease:
             if write and self._written.intersection(steps):
                 self._write()
 
-    def drop_unless(self, step: int, stands: Callable[[], bool]) -> None:
-        """Drop `step` from the record (written now if the lease object may record it)
-        unless `stands()` (a commit of that number stands). The look and the drop hold the
-        mutex that `record` holds: a commit of that number recorded meanwhile is kept."""
+    def settle_record(self) -> None:
+        """Write the lease now if the folder's copy of the record may differ from this one
+        (a record write whose outcome is unknown: the next renewal would land it). A caller
+        that decides from the folder whether a step committed then reads what stays; a
+        step is never dropped from the record on such a read (a late write of it could
+        still land: review 11)."""
         with self._mutex:
-            if stands():
-                return
-            self.committed.pop(step, None)
-            if step in self._written:
+            if self._unsure or self._written != set(self.committed):
                 self._write()
 
     def _check_held(self) -> None:

@@ -1,0 +1,112 @@
+"""Review 11: the fixes of review 10, attacked.
+
+Claim 6: a wait() cancelled while it ran the owed follow-ups, before it raised a background
+save's failure, dropped that failure (the next wait() returned as if it had saved).
+Claim 5: a loop closed during a background save's commit left futures of that loop that the
+next loop's wait(), save() and load() waited for forever.
+Claim 7: an owed memory commit settled after a node joined (the tier's store object replaced)
+was treated as a durable one: never pinned nor persisted.
+(Claims 1-3, a record dropped from the lease, are in test_review10_owed.py.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Any
+
+import pytest
+from _held_storage import (  # noqa: F401
+    HOLDS,
+    RULES,
+    Clock,
+    Comp,
+    Handle,
+    fail,
+    held_config,
+    held_rules,
+    hold,
+    job,
+)
+from _owed_faults import failing_looks, lose_replies
+
+import forge_ckpt
+from forge_ckpt import CheckpointCoordinator, CheckpointSaveError
+from forge_ckpt.coordination import follow_ups
+
+pytestmark = pytest.mark.usefixtures("held_rules")
+
+
+async def test_a_cancelled_wait_drops_the_background_failure(tmp_path, monkeypatch):
+    a = job(tmp_path, Clock(), "host-a", keep_last=10, async_mode="deferred")
+    a.register("c0", Handle(Comp(1)))
+    await a.save(1)
+    await a.wait()
+    lose_replies(monkeypatch, {2})  # step 2 lands, its reply is lost: owed
+    await a.save(2)
+    with pytest.raises(CheckpointSaveError, match="outcome is unknown"):
+        await a.wait()
+    failing_looks(monkeypatch, 1)  # save(3)'s look at 2 fails: 2 stays owed
+    fail("create", "step-3/manifest.json")  # step 3 fails for real: not committed
+    await a.save(3)
+    await asyncio.sleep(0)
+    real, entered, go = follow_ups.committed_as, threading.Event(), threading.Event()
+
+    def slow_look(store: Any, manifest: Any) -> bool:
+        entered.set()
+        assert go.wait(60)
+        return real(store, manifest)
+
+    monkeypatch.setattr(follow_ups, "committed_as", slow_look)
+    waiting = asyncio.ensure_future(a.wait())
+    assert await asyncio.to_thread(entered.wait, 60)
+    waiting.cancel()  # the caller's deadline, while wait() runs what is owed
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    go.set()
+    monkeypatch.setattr(follow_ups, "committed_as", real)
+    try:
+        second: object = await a.wait()
+    except CheckpointSaveError as e:
+        second = f"raised: {e}"[:120]
+    on_disk = forge_ckpt.committed_steps(str(tmp_path))
+    await a.aclose()
+    print(f"\nthe next wait() -> {second!r}; committed {on_disk}")
+    assert 3 not in on_disk
+    assert isinstance(second, str), "step 3's failure was dropped: wait() returned as if saved"
+
+
+BOUND_S = 60.0  # a hang detector: these calls take milliseconds (never a race)
+
+
+def test_a_loop_closed_in_the_commit_of_a_deferred_save(tmp_path):
+    RULES.clear()
+    HOLDS.clear()
+    coord = CheckpointCoordinator(held_config(tmp_path, async_mode="deferred"))
+    coord.register("c0", Handle(Comp(1)))
+    held = hold("create", "step-1/COMMIT")
+    loop = asyncio.new_event_loop()
+    loop.run_until_complete(coord.save(1))  # returns at the snapshots
+    loop.run_until_complete(held.reached())  # the background commit waits at its COMMIT
+    loop.close()  # the loop ends (as in review 10 F) while the commit's thread runs
+    held.go.set()  # the COMMIT lands; the thread's result has no loop to go to
+    outcomes = []
+    for name, call in (("wait", coord.wait), ("save", lambda: coord.save(2)),
+                       ("load", coord.load)):  # fmt: skip
+        try:
+            got = asyncio.run(asyncio.wait_for(call(), BOUND_S))
+            outcomes.append((name, repr(got)[:80]))
+        except BaseException as e:  # noqa: BLE001
+            outcomes.append((name, f"{type(e).__name__}: {e}"[:140]))
+    stuck = [
+        (name, sum(t.get_loop().is_closed() for t in tasks))
+        for name, tasks in (("_running", coord._running), ("tasks", coord._follow_ups.tasks))
+    ]
+    outcomes.append(("futures of the closed loop still waited for", str(stuck)))
+    coord.close()
+    RULES.clear()
+    HOLDS.clear()
+    print("\n" + "\n".join(f"{n}: {o}" for n, o in outcomes))
+    assert not any(o.startswith("TimeoutError") for _, o in outcomes), (
+        f"a call waited past {BOUND_S} s for a closed loop's futures: {outcomes}"
+    )
