@@ -3,8 +3,12 @@ landed, and a look at whether a commit landed (`follow_ups.committed_as`) that f
 
 from __future__ import annotations
 
+import asyncio
 import errno
+import threading
 from typing import Any
+
+import pytest
 
 from forge_ckpt.coordination import follow_ups
 from forge_ckpt.steps import commit
@@ -36,6 +40,26 @@ def failing_looks(monkeypatch: Any, n: int) -> None:
         return real(store, manifest)
 
     monkeypatch.setattr(follow_ups, "committed_as", flaky)
+
+
+async def wait_cancelled_in_its_look(coord: Any, monkeypatch: Any) -> None:
+    """A `wait()` whose look at an owed commit is slow (S3 retries, say) is cancelled by its
+    caller's deadline while the look is in flight; the look then ends."""
+    real, entered, go = follow_ups.committed_as, threading.Event(), threading.Event()
+
+    def slow_look(store: Any, manifest: Any) -> bool:
+        entered.set()
+        assert go.wait(60)
+        return real(store, manifest)
+
+    monkeypatch.setattr(follow_ups, "committed_as", slow_look)
+    waiting = asyncio.ensure_future(coord.wait())
+    assert await asyncio.to_thread(entered.wait, 60)
+    waiting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    go.set()
+    monkeypatch.setattr(follow_ups, "committed_as", real)
 
 
 async def commit_cut_by_the_loop(coord: Any) -> None:

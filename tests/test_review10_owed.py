@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 from _held_storage import Clock, Comp, Handle, HeldFS, fail, held_rules, job  # noqa: F401
-from _owed_faults import failing_looks, lose_replies
+from _owed_faults import failing_looks, lose_replies, wait_cancelled_in_its_look
 
 import forge_ckpt
 from forge_ckpt import CheckpointConfig, CheckpointCoordinator, CheckpointSaveError
@@ -56,21 +56,7 @@ async def test_a_wait_cancelled_in_its_look_drops_the_owed_entry(tmp_path, monke
     with pytest.raises(CheckpointSaveError, match="outcome is unknown"):
         await a.save(2)
     assert [m.step for m, *_ in a._follow_ups.owed] == [2]
-    real, entered, go = follow_ups.committed_as, threading.Event(), threading.Event()
-
-    def slow_look(store: Any, manifest: Any) -> bool:  # a slow read (S3 retries, say)
-        entered.set()
-        assert go.wait(60)
-        return real(store, manifest)
-
-    monkeypatch.setattr(follow_ups, "committed_as", slow_look)
-    waiting = asyncio.ensure_future(a.wait())
-    assert await asyncio.to_thread(entered.wait, 60)
-    waiting.cancel()  # the caller's deadline, while the look is in flight
-    with pytest.raises(asyncio.CancelledError):
-        await waiting
-    go.set()
-    monkeypatch.setattr(follow_ups, "committed_as", real)
+    await wait_cancelled_in_its_look(a, monkeypatch)
     owed_after = [m.step for m, *_ in a._follow_ups.owed]
     await a.wait()  # the next call: nothing is owed any more
     await a.aclose()

@@ -12,8 +12,6 @@ was treated as a durable one: never pinned nor persisted.
 from __future__ import annotations
 
 import asyncio
-import threading
-from typing import Any
 
 import pytest
 from _held_storage import (  # noqa: F401
@@ -28,11 +26,10 @@ from _held_storage import (  # noqa: F401
     hold,
     job,
 )
-from _owed_faults import failing_looks, lose_replies
+from _owed_faults import failing_looks, lose_replies, wait_cancelled_in_its_look
 
 import forge_ckpt
 from forge_ckpt import CheckpointCoordinator, CheckpointSaveError
-from forge_ckpt.coordination import follow_ups
 
 pytestmark = pytest.mark.usefixtures("held_rules")
 
@@ -50,21 +47,7 @@ async def test_a_cancelled_wait_drops_the_background_failure(tmp_path, monkeypat
     fail("create", "step-3/manifest.json")  # step 3 fails for real: not committed
     await a.save(3)
     await asyncio.sleep(0)
-    real, entered, go = follow_ups.committed_as, threading.Event(), threading.Event()
-
-    def slow_look(store: Any, manifest: Any) -> bool:
-        entered.set()
-        assert go.wait(60)
-        return real(store, manifest)
-
-    monkeypatch.setattr(follow_ups, "committed_as", slow_look)
-    waiting = asyncio.ensure_future(a.wait())
-    assert await asyncio.to_thread(entered.wait, 60)
-    waiting.cancel()  # the caller's deadline, while wait() runs what is owed
-    with pytest.raises(asyncio.CancelledError):
-        await waiting
-    go.set()
-    monkeypatch.setattr(follow_ups, "committed_as", real)
+    await wait_cancelled_in_its_look(a, monkeypatch)
     try:
         second: object = await a.wait()
     except CheckpointSaveError as e:
