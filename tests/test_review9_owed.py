@@ -38,16 +38,23 @@ async def test_two_waits_at_once_with_one_owed_entry(tmp_path, monkeypatch):
     assert not [o for o in outcomes if isinstance(o, BaseException)], outcomes
 
 
-async def test_two_waits_run_one_owed_follow_up_twice(tmp_path, monkeypatch):
-    """Two owed entries (steps 2 and 3: the look fails once in between, so save(3) leaves
-    step 2's entry). Two `wait()`s at once: both check entry 2, each pops one entry, both
-    run step 2's follow-up; step 3's entry is popped unchecked and its follow-up never runs."""
+async def owing_step_2(tmp_path: Any, monkeypatch: Any) -> Any:
+    """A job whose step 1 committed and whose step 2 landed with its reply lost (owed); the
+    commit of step 3 will lose its reply too."""
     a = job(tmp_path, Clock(), "host-a", keep_last=10)
     a.register("c0", Handle(Comp(1)))
     assert (await a.save(1)).committed
     lose_replies(monkeypatch, {2, 3})
     with pytest.raises(CheckpointSaveError, match="outcome is unknown"):
         await a.save(2)
+    return a
+
+
+async def test_two_waits_run_one_owed_follow_up_twice(tmp_path, monkeypatch):
+    """Two owed entries (steps 2 and 3: the look fails once in between, so save(3) leaves
+    step 2's entry). Two `wait()`s at once: both check entry 2, each pops one entry, both
+    run step 2's follow-up; step 3's entry is popped unchecked and its follow-up never runs."""
+    a = await owing_step_2(tmp_path, monkeypatch)
     real, left, looked = follow_ups.committed_as, [1], []
 
     def look(store: Any, manifest: Any) -> bool:
@@ -82,12 +89,7 @@ async def test_a_recovery_load_beside_a_wait(tmp_path, monkeypatch):
     and ran step 2's follow-up; the load's look at 3 then popped an empty list: IndexError
     escaped the recovery load. Each caller now takes its entry before it looks: the wait()
     looks at 3 while the load looks at 2, each entry is looked at once, nothing escapes."""
-    a = job(tmp_path, Clock(), "host-a", keep_last=10)
-    a.register("c0", Handle(Comp(1)))
-    assert (await a.save(1)).committed
-    lose_replies(monkeypatch, {2, 3})
-    with pytest.raises(CheckpointSaveError, match="outcome is unknown"):
-        await a.save(2)
+    a = await owing_step_2(tmp_path, monkeypatch)
     real = follow_ups.committed_as
     failing_looks(monkeypatch, 1)
     with pytest.raises(CheckpointSaveError, match="outcome is unknown"):
