@@ -38,7 +38,8 @@ CALL_S = 60.0  # a holder already there (of this run or another) answers within 
 
 
 class NotReady(Exception):
-    """A holder that has not answered yet (a node that joined later: tried again later)."""
+    """A holder there that does not answer (its node hung, not yet declared dead): the tier
+    goes on without it, and a later save's look for new nodes tries it again."""
 
 
 def run_id_of(folder: str) -> str:
@@ -105,7 +106,7 @@ class Identity:
                 self._configure(name, node, budget, keep, wait_s)
             except ray.exceptions.GetTimeoutError:
                 if not joined:
-                    raise self._no_answer(node, wait_s) from None
+                    raise self._no_start(node) from None
                 log.warning("memory tier: the holder on new node %s has not answered within "
                             "%.0fs; a later save looks again", node[:8], wait_s)  # fmt: skip
                 continue
@@ -124,12 +125,12 @@ class Identity:
             self._create(name, node, budget, keep)
 
     @staticmethod
-    def _no_answer(node: str, wait_s: float) -> CheckpointError:
-        what = "START_TIMEOUT_S" if wait_s == START_TIMEOUT_S else "CALL_S"
+    def _no_start(node: str) -> CheckpointError:
         return CheckpointError(
-            f"the memory holder on node {node[:8]} did not answer within {wait_s:.0f}s "
-            f"(memory.holders.{what}): is that node overloaded or out of CPU/memory for a "
-            "new actor? Retry, or run without the memory tier (memory_every=0)"
+            f"the memory holder on node {node[:8]} did not answer within "
+            f"{START_TIMEOUT_S:.0f}s (memory.holders.START_TIMEOUT_S): is that node "
+            "overloaded or out of CPU/memory for a new actor? Retry, or run without the "
+            "memory tier (memory_every=0)"
         )
 
     def _retire_foreign(self, name: str, wait_s: float = CALL_S) -> None:
