@@ -93,3 +93,29 @@ def test_a_loop_closed_in_the_commit_of_a_deferred_save(tmp_path):
     assert not any(o.startswith("TimeoutError") for _, o in outcomes), (
         f"a call waited past {BOUND_S} s for a closed loop's futures: {outcomes}"
     )
+
+
+async def test_a_load_whose_record_write_fails_decides_nothing(tmp_path):
+    """Review 12, claim 1: step 2's record write fails, then so does the load's write of the
+    lease's record (settle_record). The load used to drop the entry and resume step 1; the
+    next renewal then recorded step 2, and a save(2) of the resumed job was told "already
+    committed" without writing. The load now fails and names why; the next load decides."""
+    a = job(tmp_path, Clock(), "host-a", keep_last=10)
+    comp = Comp(1)
+    a.register("c0", Handle(comp))
+    assert (await a.save(1)).committed
+    comp.version = 2
+    fail("replace", ".forge_ckpt.lease", times=2)  # the record write of 2, then the load's
+    with pytest.raises(CheckpointSaveError, match="outcome is unknown"):
+        await a.save(2)
+    comp.version = -1
+    with pytest.raises(forge_ckpt.CheckpointError, match="retry the load"):
+        await a.load()
+    assert comp.version == -1, "a load that failed applied something"
+    loaded = await a.load()  # the record write goes through now
+    listed = forge_ckpt.committed_steps(str(tmp_path))
+    a._lease.renew()
+    after = forge_ckpt.committed_steps(str(tmp_path))
+    await a.aclose()
+    assert loaded is not None and (loaded.step, comp.version) == (listed[-1], listed[-1])
+    assert after == listed, "a renewal changed the steps the load chose from"

@@ -130,17 +130,24 @@ class FollowUps:
             # write of unknown outcome, which a later renewal would land): written first,
             # so that what is read is what stays (review 10 G, review 11).
             await self._io(settle_record, store)
+        except asyncio.CancelledError:
+            self.owed.insert(0, entry)
+            raise
+        except Exception as e:
+            if not decide:
+                return self._undecided(entry, decide, e)
+            self.owed.insert(0, entry)  # a load cannot decide while that write fails: it
+            raise CheckpointError(  # fails, and the next one looks again (review 12)
+                f"cannot tell whether step {manifest.step} committed: writing the folder's "
+                f"lease (its commit record) failed: {e}; retry the load"
+            ) from e
+        try:
             landed = await self._io(committed_as, store, manifest)
         except asyncio.CancelledError:  # the caller's deadline, or its loop's end, while it
             self.owed.insert(0, entry)  # looked: the entry stays owed (review 10, A)
             raise
         except Exception as e:
-            log.warning("could not tell whether step %d committed: %s%s", manifest.step, e,
-                        "" if decide else " (the next save, load or wait() looks again)")  # fmt: skip
-            if not decide:
-                self.owed.insert(0, entry)
-                return False
-            return True  # dropped: a load decides from what it can read (review 8)
+            return self._undecided(entry, decide, e)
         if not landed:
             return True
         log.info("step %d was committed: running what its commit sets going", manifest.step)
@@ -151,6 +158,16 @@ class FollowUps:
             await asyncio.shield(self.start(done, manifest, store, abandons, durable))
         except Exception as e:  # the step is committed: its follow-up is best effort
             log.warning("after committing step %d: %s", manifest.step, e)
+        return True
+
+    def _undecided(self, entry: Owed, decide: bool, error: Exception) -> bool:
+        """A look that failed: the entry waits for the next call (False), or, for a load,
+        is dropped (a load decides from what it can read: review 8)."""
+        log.warning("could not tell whether step %d committed: %s%s", entry[0].step, error,
+                    "" if decide else " (the next save, load or wait() looks again)")  # fmt: skip
+        if not decide:
+            self.owed.insert(0, entry)
+            return False
         return True
 
 
