@@ -54,15 +54,18 @@ class Timeline:
             # the only copies (durable_every > 1)
         if step > self._newest_seen.get(store.url, step):
             return []
-        newest = 0
+        newest, gone = 0, set[int]()
         for s in _behind(store, self.store):
-            committed = branch.live_steps(s)
+            found = branch.committed_manifests(s)  # read once for both questions
+            committed = branch.live_steps(s, found)
             if s is store and step in committed:
                 log.warning("step %d is already committed; nothing to save", step)
                 return None
             newest = max(newest, committed[-1] if committed else 0)
+            if s is self.store:
+                gone = branch.superseded(s, found)
         self._newest_seen[store.url] = newest
-        if store is self.store and step in branch.superseded(store):
+        if store is self.store and step in gone:
             commit.remove_step(store, step)  # abandoned by a committed branch: free number
         if step < newest:
             raise CheckpointSaveError(
@@ -100,8 +103,9 @@ class Timeline:
         failed) must not push a step of the new branch out. The abandoned steps go first:
         the manifest that records their abandonment may be one retention removes, and then
         nothing would mark them abandoned any more."""
-        branch.retire_superseded(self.store)
-        live = layout.committed_steps(self.store)  # none abandoned is left
+        found = branch.committed_manifests(self.store)  # one read: we are its only writer
+        gone = branch.retire_superseded(self.store, found)
+        live = [s for s in found if s not in gone]
         return commit.apply_retention(self.store, self.config.retention, live)
 
     def loadable(self) -> list[int]:

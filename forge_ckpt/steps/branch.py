@@ -20,10 +20,10 @@ from . import commit, layout
 from .lock import Lease
 
 
-def live_steps(store: Storage) -> list[int]:
+def live_steps(store: Storage, found: dict[int, layout.Manifest] | None = None) -> list[int]:
     """Committed steps, less the abandoned ones not yet removed: what exists for a load,
-    for retention and for the next step's number."""
-    found = _committed(store)
+    for retention and for the next step's number. `found`: as for `superseded`."""
+    found = committed_manifests(store) if found is None else found
     gone = superseded(store, found)
     return [s for s in found if s not in gone]
 
@@ -31,7 +31,7 @@ def live_steps(store: Storage) -> list[int]:
 def superseded(store: Storage, found: dict[int, layout.Manifest] | None = None) -> set[int]:
     """Committed steps that a committed step of a newer branch has abandoned. `found`: the
     committed steps' manifests, if the caller already read them."""
-    found = _committed(store) if found is None else found
+    found = committed_manifests(store) if found is None else found
     replaced = {pair for m in found.values() for pair in m.supersedes}
     return {s for s, m in found.items() if (s, m.created) in replaced}
 
@@ -40,7 +40,7 @@ def abandoned_copies(store: Storage, memory: Storage) -> list[int]:
     """The steps of `memory` (the memory tier) that a committed step of `store` (the durable
     folder) abandoned. A rollback's new branch names what it abandons in both tiers, and its
     first step is durable: only the durable folder's manifests outlive the driver."""
-    replaced = {pair for m in _committed(store).values() for pair in m.supersedes}
+    replaced = {pair for m in committed_manifests(store).values() for pair in m.supersedes}
     numbers = {s for s, _ in replaced}
     out = []
     anyone = layout.Fence()
@@ -56,9 +56,13 @@ def abandoned_copies(store: Storage, memory: Storage) -> list[int]:
     return out
 
 
-def _committed(store: Storage) -> dict[int, layout.Manifest]:
+def committed_manifests(store: Storage) -> dict[int, layout.Manifest]:
     """Every committed step's manifest, ascending, in one pass (the lease's record read
-    once). A damaged step is left out: load reports it; it never drops another step."""
+    once). A damaged step is left out: load reports it; it never drops another step. For the
+    folder's writer (under its lease): a reader that is not needs `layout.committed_steps`,
+    which lists again if a commit ran meanwhile. Callers that need both the live steps and
+    what was abandoned read it once and pass it on (each read is a listing and two GETs per
+    step on object storage)."""
     fence = layout.read_fence(store)
     found = {}
     for step in layout.all_steps(store):
@@ -146,9 +150,10 @@ def recover(store: Storage, lease: Lease) -> None:
     retire_superseded(store)
 
 
-def retire_superseded(store: Storage) -> list[int]:
-    """Remove abandoned steps (marker first), once their replacement has committed."""
-    gone = sorted(superseded(store))
+def retire_superseded(store: Storage, found: dict[int, layout.Manifest] | None = None) -> list[int]:
+    """Remove abandoned steps (marker first), once their replacement has committed.
+    `found`: as for `superseded`."""
+    gone = sorted(superseded(store, found))
     for step in gone:
         commit.remove_step(store, step)
     for name in store.list(ASIDE):  # replaced by a committed step N
