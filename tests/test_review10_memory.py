@@ -201,3 +201,27 @@ def test_an_owed_memory_commit_settled_after_a_node_joined(world, monkeypatch, j
     )
     assert replaced == join, "the join did not replace the store (test broken)"
     assert 2 in durable, "committed memory step 2 (due) was never persisted and is gone"
+
+
+def test_a_load_that_could_not_look_loads_the_owed_step_and_persists_it(world, monkeypatch):  # noqa: F811
+    """Review 11, claim 8: a deciding load whose look at an owed memory commit fails drops
+    the entry (it decides from what it reads), then loads that very step: the step is the
+    job's present, yet its follow-up (pin, persist: due) never ran, and aclose() took it
+    with the holders. The load now runs the follow-up of the commit it loaded."""
+    a = Job(world, "jobA", durable_every=1)  # every memory step is due to be persisted
+    assert a.coord.tier is not None and a.run(a.coord.save(1)).committed
+    a.run(a.coord.wait())
+    seen = lose_memory_reply(a, monkeypatch, 2)
+    with pytest.raises(CheckpointSaveError, match="outcome is unknown"):
+        a.run(a.coord.save(2))
+    failing_looks(monkeypatch, 1)  # the load's look at 2: one read error
+    got = a.run(a.coord.load())
+    a.run(a.coord.aclose())
+    again, durable = next_job_sees(world)
+    print(
+        f"\nmemory steps as step 2 landed: {seen[0]}; the load -> step {got and got.step} "
+        f"({got and got.tier}); durable after aclose(): {durable}; the next job loads "
+        f"step {again and again.step}"
+    )
+    assert got is not None and got.step == 2 and got.tier == "memory"
+    assert 2 in durable, "memory step 2, committed, due and loaded, was never persisted"

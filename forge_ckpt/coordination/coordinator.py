@@ -543,7 +543,12 @@ class CheckpointCoordinator:
         if self.tier is not None:
             await self._retire_memory()
             self.tier.relist()
-        return await self._loader.load(step, set(exclude), allow_mismatch)
+        loaded = await self._loader.load(step, set(exclude), allow_mismatch)
+        if loaded is not None and self._follow_ups.unsure:
+            tier = self.tier.store if loaded.tier == "memory" and self.tier else self.store
+            await self._follow_ups.loaded(loaded.manifest, tier.url)
+        self._follow_ups.unsure.clear()
+        return loaded
 
     async def _settle(self) -> None:
         """Before a load: let a background save or persist end. Its failure is logged, not

@@ -45,6 +45,7 @@ class FollowUps:
         self.owed: list[Owed] = []
         self._taken: set[asyncio.Future] = set()  # one per entry a caller took and holds
         self._of: dict[asyncio.Future, Owed] = {}  # each follow-up task: what it follows
+        self.unsure: list[Owed] = []  # dropped by a deciding load that could not look
 
     def start(
         self,
@@ -150,6 +151,12 @@ class FollowUps:
             return self._undecided(entry, decide, e)
         if not landed:
             return True
+        await self._follow(entry)
+        return True
+
+    async def _follow(self, entry: Owed) -> None:
+        """Run the follow-up of `entry`, whose commit landed."""
+        manifest, store, abandons, durable = entry
         log.info("step %d was committed: running what its commit sets going", manifest.step)
         self._committed(store, manifest.step)
         done: asyncio.Future = asyncio.get_running_loop().create_future()
@@ -158,7 +165,17 @@ class FollowUps:
             await asyncio.shield(self.start(done, manifest, store, abandons, durable))
         except Exception as e:  # the step is committed: its follow-up is best effort
             log.warning("after committing step %d: %s", manifest.step, e)
-        return True
+
+    async def loaded(self, manifest: layout.Manifest, url: str) -> None:
+        """A deciding load that dropped entries it could not look at has loaded `manifest`
+        from `store`: if one of them is that very commit, it landed after all, and the job
+        goes on from it: its follow-up runs (pinned, persisted when due; review 11, claim
+        8). The others stay dropped: the load chose without them."""
+        unsure, self.unsure = self.unsure, []
+        for entry in unsure:
+            same = (entry[0].step, entry[0].created, entry[1].url)
+            if same == (manifest.step, manifest.created, url):
+                await self._follow(entry)
 
     def _undecided(self, entry: Owed, decide: bool, error: Exception) -> bool:
         """A look that failed: the entry waits for the next call (False), or, for a load,
@@ -168,6 +185,7 @@ class FollowUps:
         if not decide:
             self.owed.insert(0, entry)
             return False
+        self.unsure.append(entry)  # the load may yet find it landed (`loaded`)
         return True
 
 
