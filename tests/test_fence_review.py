@@ -420,3 +420,39 @@ async def test_close_with_the_memory_tier_never_blocks_behind_a_renewal(tmp_path
     coord.tier = _Tier()  # type: ignore[assignment]
     assert await _close_behind_a_held_renewal(coord), "close() blocked behind the renewal"
     assert coord.tier.cancelled  # type: ignore[attr-defined]
+
+
+async def test_a_stale_preparation_never_writes_into_the_successors_step(tmp_path):
+    """A job's preparation of step 2 stalled (its last `makedirs` held) past its lease; a
+    successor took the folder over and began its own step 2. The stale job's actors then
+    wrote into the successor's step, and the successor's create-only write of that file
+    failed its save as "another writer" (I7; sim seeds 28030 and 52652, past the budget, on
+    the code of the time; the simulation's revert `stale-prepare`). Invariant: the stale job
+    learns it lost the lease before its actors write; the successor's step 2 commits."""
+    clock = Clock()
+    a = job(tmp_path, clock, "host-a", lease_ttl_s=60.0, keep_last=None)
+    a.register("c0", Handle(Comp(101)))
+    assert (await a.save(1)).committed
+    stalled = hold("makedirs", "step-2/trainer")
+    a_save = asyncio.ensure_future(a.save(2))
+    b = None
+    try:
+        await stalled.reached()
+        clock.t += 90.0  # A's lease expired while its preparation stalled
+        b = job(tmp_path, clock, "host-b", lease_ttl_s=60.0, keep_last=None)
+        b.register("c0", Handle(comp := Comp(202)))
+        b_write = hold("writer", "step-2/actors/c0.0.msgpack")
+        b_save = asyncio.ensure_future(b.save(2))
+        await b_write.reached()  # B's file is about to be created
+        stalled.go.set()  # A's preparation goes on
+        with pytest.raises(CheckpointLockedError, match="lost the lease"):
+            await a_save
+        b_write.go.set()
+        assert (await b_save).committed
+        comp.version = 0
+        got = await b.load(step=2)
+        assert got is not None and comp.version == 202
+    finally:
+        stalled.go.set()
+        if b is not None:
+            b.close()

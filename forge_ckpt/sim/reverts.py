@@ -82,6 +82,22 @@ def _load_raises_persist_failure() -> None:
     MemoryTier.settle = raising  # type: ignore[method-assign]
 
 
+def _prepare_trusts_its_start() -> None:
+    """A step's preparation checks the lease only before it makes the step's folders: a job
+    whose preparation stalled past its lease has its actors write into the step its
+    successor is preparing, whose create-only write then fails its save as "another writer"
+    (I7; found past the budget, sim seeds 28030 and 52652 before the seeds shifted)."""
+    commit._still_ours = lambda store, step: None
+
+
+def _memory_deletes_trust_the_caller() -> None:
+    """The memory tier (a store fenced by its caller's lease) deletes without renewing that
+    lease first: a stale job's save removes its successor's memory step in progress as a
+    leftover, or its retention removes the successor's step of that number (I1; seed 16233
+    before the seeds shifted)."""
+    commit.before_delete = lambda: None
+
+
 REVERTS: dict[str, Callable[[], None]] = {
     "fix1": _abort_after_commit,
     "fix2": _retire_at_once,
@@ -90,4 +106,6 @@ REVERTS: dict[str, Callable[[], None]] = {
     "fix5": _load_raises_persist_failure,
     "fix7": _own_write_is_another,
     "fix8": _every_marker_counts,
+    "stale-prepare": _prepare_trusts_its_start,
+    "stale-memory-delete": _memory_deletes_trust_the_caller,
 }

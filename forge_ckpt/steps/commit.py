@@ -61,9 +61,14 @@ def prepare_step(store: Storage, step: int) -> None:
         lease.forget([step], write=True)
     store.makedirs(f"{name}/{layout.ACTORS}")
     store.makedirs(f"{name}/{layout.TRAINER}")
-    # The components write next. A preparation that stalled past a third of the TTL renews
-    # here, so a job taken over meanwhile learns it before its actors write into a folder
-    # its successor may be preparing (their create-only write failed its save: sim seed 28030).
+    _still_ours(store, step)
+
+
+def _still_ours(store: Storage, step: int) -> None:
+    """The components write next. A preparation that stalled past a third of the TTL renews
+    here, so a job taken over meanwhile learns it before its actors write into a folder its
+    successor may be preparing (their create-only write failed its save as "another writer":
+    the simulation's revert `stale-prepare`)."""
     _writer(store, f"save step {step}")
 
 
