@@ -213,6 +213,7 @@ class CheckpointCoordinator:
         await self.wait(persisting=False)
         self._calls.check_open()
         await self._quiesce()
+        self._follow_ups.refuse_owed(step)
         # A new branch's first step goes to the durable folder, whose manifests record what
         # it abandons (in both tiers): a memory step can record nothing that outlives it.
         store, spec = self._target(self.tier is not None and self._timeline.branch_from is None)

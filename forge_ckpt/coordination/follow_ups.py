@@ -16,7 +16,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from ..errors import CheckpointCorruptError, CheckpointError
+from ..errors import CheckpointCorruptError, CheckpointError, CheckpointSaveError
 from ..steps import layout, lock
 from ..storage import Storage
 
@@ -46,6 +46,7 @@ class FollowUps:
         self._taken: set[asyncio.Future] = set()  # one per entry a caller took and holds
         self._of: dict[asyncio.Future, Owed] = {}  # each follow-up task: what it follows
         self.unsure: list[Owed] = []  # dropped by a deciding load that could not look
+        self.look_error: Exception | None = None  # why the last look could not tell
 
     def start(
         self,
@@ -177,9 +178,22 @@ class FollowUps:
             if same == (manifest.step, manifest.created, url):
                 await self._follow(entry)
 
+    def refuse_owed(self, step: int) -> None:
+        """Before a save of `step`: an owed commit of that very number whose outcome could not
+        be read means the save cannot tell whether the step exists (a retry after a lost reply
+        would be told "save a different step number" after a rollback; review 10, H). It
+        refuses, naming why, and the next save of `step` looks again."""
+        if any(entry[0].step == step for entry in self.owed):
+            raise CheckpointSaveError(
+                f"cannot tell yet whether the earlier save of step {step} committed (its "
+                f"reply was lost, and reading its commit failed: {self.look_error}); nothing "
+                f"was written for this save; retry save({step}), which reads it again"
+            )
+
     def _undecided(self, entry: Owed, decide: bool, error: Exception) -> bool:
         """A look that failed: the entry waits for the next call (False), or, for a load,
         is dropped (a load decides from what it can read: review 8)."""
+        self.look_error = error
         log.warning("could not tell whether step %d committed: %s%s", entry[0].step, error,
                     "" if decide else " (the next save, load or wait() looks again)")  # fmt: skip
         if not decide:
