@@ -12,6 +12,7 @@ was treated as a durable one: never pinned nor persisted.
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 from _held_storage import (  # noqa: F401
@@ -30,6 +31,7 @@ from _owed_faults import failing_looks, lose_replies, wait_cancelled_in_its_look
 
 import forge_ckpt
 from forge_ckpt import CheckpointCoordinator, CheckpointSaveError
+from forge_ckpt.coordination import follow_ups
 
 pytestmark = pytest.mark.usefixtures("held_rules")
 
@@ -119,3 +121,84 @@ async def test_a_load_whose_record_write_fails_decides_nothing(tmp_path):
     await a.aclose()
     assert loaded is not None and (loaded.step, comp.version) == (listed[-1], listed[-1])
     assert after == listed, "a renewal changed the steps the load chose from"
+
+
+def test_a_closed_loops_commit_that_lands_after_the_next_load_began(tmp_path):
+    """Review 12, claim 2: a loop closed (no asyncio.run()) while a deferred save's commit
+    waited at its COMMIT; the next loop's load read step 2 as not landed and resumed step 1,
+    then the old thread's COMMIT landed, and a later save(2) of other state was told
+    "committed" without writing. A call now waits for such a thread before anyone looks."""
+    RULES.clear()
+    HOLDS.clear()
+    a = job(tmp_path, Clock(), "host-a", keep_last=10, async_mode="deferred")
+    comp = Comp(1)
+    a.register("c0", Handle(comp))
+    loop = asyncio.new_event_loop()
+    loop.run_until_complete(a.save(1))
+    loop.run_until_complete(a.wait())
+    comp.version = 2
+    held = hold("create", "step-2/COMMIT")
+    loop.run_until_complete(a.save(2))
+    loop.run_until_complete(held.reached())
+    loop.close()  # nothing cancelled: the commit's thread waits at its COMMIT
+    real, waiting = getattr(a._calls, "wait_idle", None), threading.Event()
+
+    def wait_idle(timeout_s: float) -> bool:
+        waiting.set()
+        return bool(real and real(timeout_s))
+
+    a._calls.wait_idle = wait_idle  # type: ignore[method-assign]
+
+    async def load_beside_the_thread() -> object:
+        comp.version = -1
+        load = asyncio.ensure_future(a.load())
+        waits = asyncio.ensure_future(asyncio.to_thread(waiting.wait, BOUND_S))
+        await asyncio.wait([load, waits], return_when=asyncio.FIRST_COMPLETED)
+        assert not load.done(), f"the load decided while the commit's thread ran: {load}"
+        held.go.set()  # the old loop's commit goes on: its COMMIT lands
+        return await load
+
+    try:
+        got = asyncio.run(asyncio.wait_for(load_beside_the_thread(), BOUND_S))
+        assert got is not None and got.step == 2 and comp.version == 2, got
+    finally:
+        held.go.set()
+        a.close()
+        RULES.clear()
+        HOLDS.clear()
+
+
+def test_a_loop_closed_while_a_wait_looked_keeps_the_entry(tmp_path, monkeypatch):
+    """Review 12, claim 3: a loop closed (no asyncio.run()) while a wait() looked whether an
+    owed commit landed: the entry it held was lost, so the landed step's follow-up (its
+    retention, with the memory tier its persist) never ran. It is owed again."""
+    RULES.clear()
+    HOLDS.clear()
+    a = job(tmp_path, Clock(), "host-a", keep_last=1)
+    a.register("c0", Handle(Comp(1)))
+    loop = asyncio.new_event_loop()
+    assert loop.run_until_complete(a.save(1)).committed
+    lose_replies(monkeypatch, {2})
+    with pytest.raises(CheckpointSaveError, match="outcome is unknown"):
+        loop.run_until_complete(a.save(2))
+    real, entered, go = follow_ups.committed_as, threading.Event(), threading.Event()
+
+    def slow_look(store: object, manifest: object) -> bool:
+        entered.set()
+        assert go.wait(BOUND_S)
+        return real(store, manifest)
+
+    monkeypatch.setattr(follow_ups, "committed_as", slow_look)
+    loop.create_task(a.wait())
+    loop.run_until_complete(asyncio.to_thread(entered.wait, BOUND_S))
+    loop.close()  # the wait() holding step 2's entry never ends
+    go.set()
+    monkeypatch.setattr(follow_ups, "committed_as", real)
+    try:
+        asyncio.run(asyncio.wait_for(a.wait(), BOUND_S))
+        asyncio.run(asyncio.wait_for(a.aclose(), BOUND_S))
+        assert forge_ckpt.committed_steps(str(tmp_path)) == [2], "step 2's retention never ran"
+    finally:
+        a.close()
+        RULES.clear()
+        HOLDS.clear()

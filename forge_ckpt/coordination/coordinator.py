@@ -61,6 +61,7 @@ class CheckpointCoordinator:
             clock_skew_s=config.max_clock_skew_s,
         )
         self._calls = LeasedCalls(self._lease, self._release)  # close() never cuts one
+        self._orphans = False  # storage calls of a closed loop may still run
         self._under_lease = self._calls.run
         try:
             self.store.makedirs("")
@@ -134,10 +135,26 @@ class CheckpointCoordinator:
         """What a cancelled save's commit set going (`_follow`) has ended and, if `every`
         (a save or load), every storage call a cancelled save or load left running; then a
         commit whose follow-up was cut off has it (follow_ups.py)."""
-        self._follow_ups.reap_closed()
+        if self._follow_ups.reap_closed():
+            self._orphans = True
         while pending := (self._running if every else self._follow_ups.tasks):
             await asyncio.wait(set(pending))
+        if self._orphans:  # a closed loop's storage call may still run: what it leaves (a
+            await self._await_orphans()  # COMMIT, say) must be there before anyone looks
         await self._follow_ups.run_owed(decide)
+
+    async def _await_orphans(self) -> None:
+        """Until no storage call of this coordinator runs (review 12, claim 2: a commit's
+        thread of a loop closed without asyncio.run() landed after the next loop's load had
+        decided it had not, and a later save of that number was told "committed")."""
+        bound = self.config.save_timeout_s
+        if not await self._rt.to_thread(self._calls.wait_idle, bound):
+            raise CheckpointError(
+                f"a storage call of an event loop that was closed without asyncio.run() still "
+                f"runs after {bound:g} s (save_timeout_s); what it leaves cannot be read yet: "
+                "retry once it ends"
+            )
+        self._orphans = False
 
     async def _quiesce(self, decide: bool = False) -> None:
         """Before a save or a load: the storage calls of a cancelled one have ended, and a

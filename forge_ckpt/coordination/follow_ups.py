@@ -43,7 +43,8 @@ class FollowUps:
         self._work, self._io, self._running, self._committed = work, io, running, committed
         self.tasks: set[asyncio.Future] = set()
         self.owed: list[Owed] = []
-        self._taken: set[asyncio.Future] = set()  # one per entry a caller took and holds
+        # One per entry a caller took and holds (None once its follow-up task took it over).
+        self._taken: dict[asyncio.Future, Owed | None] = {}
         self._of: dict[asyncio.Future, Owed] = {}  # each follow-up task: what it follows
         self.unsure: list[Owed] = []  # dropped by a deciding load that could not look
         self.look_error: Exception | None = None  # why the last look could not tell
@@ -66,17 +67,25 @@ class FollowUps:
             task.add_done_callback(tasks.discard)
         return task
 
-    def reap_closed(self) -> None:
+    def reap_closed(self) -> int:
         """Follow-ups, and the coordinator's calls, of an event loop closed without ending
         them (no asyncio.run(): nothing cancelled them) never end: they are dropped, and
-        each follow-up is owed instead (review 11, claim 5)."""
-        for fut in [f for f in self._running if not f.done() and f.get_loop().is_closed()]:
+        each follow-up is owed instead (review 11, claim 5), as is an entry a caller of that
+        loop held while it looked (review 12, claim 3). Returns how many calls were dropped:
+        their threads may still run (the caller waits for them: review 12, claim 2)."""
+        dropped = [f for f in self._running if not f.done() and f.get_loop().is_closed()]
+        for fut in dropped:
             self._running.discard(fut)
             self.tasks.discard(fut)
             owed = self._of.pop(fut, None)
             if owed is not None:
                 self.owed.append(owed)
-        self._taken = {f for f in self._taken if not f.get_loop().is_closed()}
+        for held, entry in list(self._taken.items()):
+            if held.get_loop().is_closed():
+                del self._taken[held]
+                if entry is not None and not any(o is entry for o in self.owed):
+                    self.owed.insert(0, entry)
+        return len(dropped)
 
     async def _after(self, commit_call: asyncio.Future, owed: Owed) -> Any:
         """The work's result (the persist a due memory step's waits for), or None."""
@@ -118,14 +127,14 @@ class FollowUps:
         stops: it could not tell, and does not decide)."""
         entry = self.owed.pop(0)  # taken: a caller beside this one takes the next (review 9)
         held: asyncio.Future = asyncio.get_running_loop().create_future()
-        self._taken.add(held)
+        self._taken[held] = entry
         try:
-            return await self._settle(entry, decide)
+            return await self._settle(entry, decide, held)
         finally:  # after the entry went back, if it did: a deciding caller looks again
             held.set_result(None)
-            self._taken.discard(held)
+            self._taken.pop(held, None)
 
-    async def _settle(self, entry: Owed, decide: bool) -> bool:
+    async def _settle(self, entry: Owed, decide: bool, held: asyncio.Future) -> bool:
         manifest, store, abandons, durable = entry
         try:
             # The lease's own record may hold the step while the folder's may not (a record
@@ -152,6 +161,7 @@ class FollowUps:
             return self._undecided(entry, decide, e)
         if not landed:
             return True
+        self._taken[held] = None  # its follow-up task (`_of`) answers for it from here
         await self._follow(entry)
         return True
 
