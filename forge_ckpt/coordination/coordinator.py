@@ -554,18 +554,24 @@ class CheckpointCoordinator:
         self, step: int | None = None, exclude: Iterable[str] = (), allow_mismatch: bool = False
     ) -> LoadResult | None:
         """The load itself; `load` emits its event."""
-        await self._settle()
-        self._calls.check_open()
-        await self._quiesce(decide=True)
-        self._timeline.forget()
-        if self.tier is not None:
-            await self._retire_memory()
-            self.tier.relist()
-        loaded = await self._loader.load(step, set(exclude), allow_mismatch)
-        if loaded is not None and self._follow_ups.unsure:
-            tier = self.tier.store if loaded.tier == "memory" and self.tier else self.store
-            await self._follow_ups.loaded(loaded.manifest, tier.url)
-        self._follow_ups.unsure.clear()
+        try:
+            await self._settle()
+            self._calls.check_open()
+            await self._quiesce(decide=True)
+            self._timeline.forget()
+            if self.tier is not None:
+                await self._retire_memory()
+                self.tier.relist()
+            loaded = await self._loader.load(step, set(exclude), allow_mismatch)
+        except BaseException:
+            self._follow_ups.load_failed()
+            raise
+        if loaded is None:
+            self._follow_ups.unsure.clear()
+            return None
+        tier = self.tier.store if loaded.tier == "memory" and self.tier else self.store
+        rollback = self._timeline.branch_from is not None
+        await self._follow_ups.loaded(loaded.manifest, tier.url, rollback)
         return loaded
 
     async def _settle(self) -> None:

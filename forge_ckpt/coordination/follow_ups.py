@@ -177,16 +177,23 @@ class FollowUps:
         except Exception as e:  # the step is committed: its follow-up is best effort
             log.warning("after committing step %d: %s", manifest.step, e)
 
-    async def loaded(self, manifest: layout.Manifest, url: str) -> None:
+    async def loaded(self, manifest: layout.Manifest, url: str, rollback: bool) -> None:
         """A deciding load that dropped entries it could not look at has loaded `manifest`
-        from `store`: if one of them is that very commit, it landed after all, and the job
-        goes on from it: its follow-up runs (pinned, persisted when due; review 11, claim
-        8). The others stay dropped: the load chose without them."""
+        from `url`: if one of them is that very commit, it landed after all, and the job goes
+        on from it: its follow-up runs (pinned, persisted when due; review 11, claim 8),
+        unless the load rolled back to it (a follow-up clears the branch the rollback set:
+        review 13, claim 1). The others stay dropped: the load chose without them."""
         unsure, self.unsure = self.unsure, []
-        for entry in unsure:
+        for entry in [] if rollback else unsure:
             same = (entry[0].step, entry[0].created, entry[1].url)
             if same == (manifest.step, manifest.created, url):
                 await self._follow(entry)
+
+    def load_failed(self) -> None:
+        """A load that failed or was cancelled decided nothing: the entries it could not
+        look at are owed again (review 13, claims 2 and 3: one left aside undid a later
+        rollback, or its landed step was never persisted)."""
+        self.owed[0:0], self.unsure = self.unsure, []
 
     def refuse_owed(self, step: int) -> None:
         """Before a save of `step`: an owed commit of that very number whose outcome could not

@@ -271,7 +271,9 @@ class Job:
             # whole step, and the next save replaces the skipped ones (docs/protocol.md).
             if step is not None or self.coord._timeline.branch_from is not None:
                 self.branch_from = res.step
-                self.oracle.rolled_back(res.step)
+                if self.oracle.lease_generation() <= self.coord._lease.generation:
+                    self.oracle.rolled_back(res.step)  # (a job taken over branches nothing:
+                    # its saves fail; review 13 saw one move the holder's branch point)
         return got or 0
 
     def _check_applied(self, step: int, manifest: layout.Manifest) -> None:
