@@ -46,6 +46,18 @@ def lose_memory_reply(a: Job, monkeypatch: Any, step: int) -> list[list[int]]:
     return seen
 
 
+def owing_memory_step_2(w: Any, monkeypatch: Any) -> tuple[Job, list[list[int]]]:
+    """A job whose memory step 1 is persisted and whose step 2 (due to be persisted too)
+    landed with its reply lost: owed. Also what readers counted as step 2 landed."""
+    a = Job(w, "jobA", durable_every=1)
+    assert a.coord.tier is not None and a.run(a.coord.save(1)).committed
+    a.run(a.coord.wait())
+    seen = lose_memory_reply(a, monkeypatch, 2)
+    with pytest.raises(CheckpointSaveError, match="outcome is unknown"):
+        a.run(a.coord.save(2))
+    return a, seen
+
+
 def next_job_sees(w: Any) -> tuple[Any, list[int]]:
     """What the next job of the folder loads, and its durable steps."""
     b = Job(w, "jobB")
@@ -179,12 +191,7 @@ def test_open_with_a_hung_holder(world, monkeypatch):  # noqa: F811
 @pytest.mark.parametrize("join", [False, True], ids=["control-no-join", "a-node-joins"])
 def test_an_owed_memory_commit_settled_after_a_node_joined(world, monkeypatch, join):  # noqa: F811
     cluster: SimCluster = world.memory
-    a = Job(world, "jobA", durable_every=1)  # every memory step is due to be persisted
-    assert a.coord.tier is not None and a.run(a.coord.save(1)).committed
-    a.run(a.coord.wait())
-    seen = lose_memory_reply(a, monkeypatch, 2)
-    with pytest.raises(CheckpointSaveError, match="outcome is unknown"):
-        a.run(a.coord.save(2))
+    a, seen = owing_memory_step_2(world, monkeypatch)
     old_store = a.coord.tier.store
     if join:
         cluster.join_node()  # a replacement node joins
@@ -208,12 +215,7 @@ def test_a_load_that_could_not_look_loads_the_owed_step_and_persists_it(world, m
     the entry (it decides from what it reads), then loads that very step: the step is the
     job's present, yet its follow-up (pin, persist: due) never ran, and aclose() took it
     with the holders. The load now runs the follow-up of the commit it loaded."""
-    a = Job(world, "jobA", durable_every=1)  # every memory step is due to be persisted
-    assert a.coord.tier is not None and a.run(a.coord.save(1)).committed
-    a.run(a.coord.wait())
-    seen = lose_memory_reply(a, monkeypatch, 2)
-    with pytest.raises(CheckpointSaveError, match="outcome is unknown"):
-        a.run(a.coord.save(2))
+    a, seen = owing_memory_step_2(world, monkeypatch)
     failing_looks(monkeypatch, 1)  # the load's look at 2: one read error
     got = a.run(a.coord.load())
     a.run(a.coord.aclose())

@@ -17,23 +17,11 @@ from typing import Any
 
 import pytest
 from _owed_faults import failing_looks
-from test_review10_memory import lose_memory_reply, next_job_sees
+from test_review10_memory import next_job_sees, owing_memory_step_2
 from test_sim_memory import Job, world  # noqa: F401
 
 from forge_ckpt import CheckpointSaveError
 from forge_ckpt.sim.actors import Component
-
-
-def owing_step_2(w: Any, monkeypatch: Any) -> Job:
-    """A job whose memory step 1 is persisted and whose step 2 (due to be persisted too)
-    landed with its reply lost: owed."""
-    a = Job(w, "jobA", durable_every=1)
-    assert a.coord.tier is not None and a.run(a.coord.save(1)).committed
-    a.run(a.coord.wait())
-    lose_memory_reply(a, monkeypatch, 2)
-    with pytest.raises(CheckpointSaveError, match="outcome is unknown"):
-        a.run(a.coord.save(2))
-    return a
 
 
 def an_apply_fails_once(monkeypatch: Any, action: Any = None) -> None:
@@ -66,7 +54,7 @@ def roll_back_to_2(a: Job) -> tuple[int | None, Any]:
 
 @pytest.mark.parametrize("look", ["works", "fails"])
 def test_a_rollback_to_an_owed_step_stays_a_rollback(world, monkeypatch, look):  # noqa: F811
-    a = owing_step_2(world, monkeypatch)
+    a, _ = owing_memory_step_2(world, monkeypatch)
     failing_looks(monkeypatch, 10 if look == "fails" else 1)  # save(3)'s look fails: owed
     assert a.run(a.coord.save(3)).committed
     branch_from, saved = roll_back_to_2(a)
@@ -80,7 +68,7 @@ def test_a_rollback_to_an_owed_step_stays_a_rollback(world, monkeypatch, look): 
 
 
 def test_an_entry_a_failed_load_could_not_look_at_is_owed_again(world, monkeypatch):  # noqa: F811
-    a = owing_step_2(world, monkeypatch)
+    a, _ = owing_memory_step_2(world, monkeypatch)
     failing_looks(monkeypatch, 1)  # the load's look at 2 fails once
     an_apply_fails_once(monkeypatch)
     with pytest.raises(Exception, match="actor failed its load"):
@@ -99,7 +87,7 @@ def test_an_entry_a_failed_load_could_not_look_at_is_owed_again(world, monkeypat
 
 @pytest.mark.parametrize("how", ["raised", "raised-then-retried", "cancelled"])
 def test_a_failed_load_never_drops_a_landed_step(world, monkeypatch, how):  # noqa: F811
-    a = owing_step_2(world, monkeypatch)
+    a, _ = owing_memory_step_2(world, monkeypatch)
     failing_looks(monkeypatch, 1)  # the load's look at 2 fails once
     if how == "cancelled":
         load: list[asyncio.Task] = []
