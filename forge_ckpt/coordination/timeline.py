@@ -57,13 +57,14 @@ class Timeline:
         newest, gone = 0, set[int]()
         for s in _behind(store, self.store):
             found = branch.committed_manifests(s)  # read once for both questions
-            committed = branch.live_steps(s, found)
+            abandoned = branch.superseded(s, found)
+            committed = [x for x in found if x not in abandoned]
             if s is store and step in committed:
                 log.warning("step %d is already committed; nothing to save", step)
                 return None
             newest = max(newest, committed[-1] if committed else 0)
             if s is self.store:
-                gone = branch.superseded(s, found)
+                gone = abandoned
         self._newest_seen[store.url] = newest
         if store is self.store and step in gone:
             commit.remove_step(store, step)  # abandoned by a committed branch: free number

@@ -20,10 +20,10 @@ from . import commit, layout
 from .lock import Lease
 
 
-def live_steps(store: Storage, found: dict[int, layout.Manifest] | None = None) -> list[int]:
+def live_steps(store: Storage) -> list[int]:
     """Committed steps, less the abandoned ones not yet removed: what exists for a load,
-    for retention and for the next step's number. `found`: as for `superseded`."""
-    found = committed_manifests(store) if found is None else found
+    for retention and for the next step's number."""
+    found = committed_manifests(store)
     gone = superseded(store, found)
     return [s for s in found if s not in gone]
 
