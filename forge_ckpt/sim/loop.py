@@ -135,6 +135,26 @@ class SimLoop(asyncio.SelectorEventLoop):
     def time(self) -> float:
         return self.clock.now
 
+    def idle_until(self, delay: float) -> bool:
+        """If nothing would run before `delay` virtual seconds from now, move the clock there
+        as the loop would (`when - now` added to `now`, the same float) and say so.
+
+        A SimThread's pause is most of the simulation's cost (a timer, a turn of the loop and
+        two greenlet switches per storage operation), and most pauses have nothing to let run:
+        no callback ready, no poller waiting for a step, no timer due before or with (within
+        the clock's resolution) the wake-up. Skipping those turns runs the same schedule:
+        the same code in the same order at the same virtual times (the traces are equal).
+        This reads asyncio's own loop state (`_ready`, `_scheduled`): a subclass's business."""
+        if self._ready or self.stepped or self._stopping:  # type: ignore[attr-defined]
+            return False
+        now = self.clock.now
+        when = now + delay
+        timers = self._scheduled  # type: ignore[attr-defined]
+        if timers and timers[0]._when < when + self._clock_resolution:  # type: ignore[attr-defined]
+            return False
+        self.clock.now = now + max(0.0, when - now)
+        return True
+
     def create_future(self) -> asyncio.Future:
         return _Future(loop=self)
 
@@ -153,6 +173,36 @@ def _make_task(loop: Any, coro: Any, context: Any = None) -> asyncio.Task:
 Gate = Callable[["SimThread", str], float]  # decides an operation's latency (and may raise)
 
 
+class _Done:
+    """What a worker greenlet hands back when its call ended (its value or its exception)."""
+
+    __slots__ = ("ok", "value")
+
+    def __init__(self, ok: bool, value: Any) -> None:
+        self.ok, self.value = ok, value
+
+
+def _work(fn: Callable[..., Any], args: tuple) -> None:
+    """A worker greenlet's life: run a call, hand back how it ended, wait for the next one.
+    Reused, a greenlet keeps the frame stack it allocated (a new greenlet maps a fresh one:
+    a system call and page faults per simulated blocking call)."""
+    while True:
+        try:
+            done = _Done(True, fn(*args))
+        except greenlet.GreenletExit:  # collected while parked: end, as a plain greenlet would
+            raise
+        except BaseException as e:  # handed to the awaiting task
+            done = _Done(False, e)
+        fn = args = None  # type: ignore[assignment]
+        parent = greenlet.getcurrent().parent
+        assert parent is not None
+        fn, args = parent.switch(done)
+
+
+_IDLE: list[Any] = []  # worker greenlets whose call ended, for the next SimThread
+_MAX_IDLE = 64
+
+
 class SimThread:
     """A blocking call run as a greenlet of the loop's thread: it runs until its next gate
     (or its end) each time the loop steps it, so only one piece of code ever runs at once."""
@@ -162,7 +212,8 @@ class SimThread:
     def __init__(self, proc: Any, fn: Callable[..., Any], args: tuple, fut: asyncio.Future):
         self.proc, self._fut = proc, fut
         self._loop = fut.get_loop()
-        self._g = greenlet.greenlet(lambda: fn(*args))
+        self._call: tuple[Callable[..., Any], tuple] | None = (fn, args)
+        self._g = _IDLE.pop() if _IDLE else greenlet.greenlet(_work)
         self.done = False
         self.in_op = False  # inside one storage operation (its inner calls are not gates)
 
@@ -172,18 +223,22 @@ class SimThread:
 
     def step(self) -> None:
         """Run until the next gate or the end (called from the loop's greenlet)."""
-        self._g.parent = greenlet.getcurrent()
-        SimThread._by_greenlet[self._g] = self
+        g = self._g
+        g.parent = greenlet.getcurrent()
+        SimThread._by_greenlet[g] = self
+        call, self._call = self._call, None
         try:
-            result = self._g.switch()
-        except BaseException as e:  # handed to the awaiting task
+            result = g.switch(*call) if call is not None else g.switch()
+        except BaseException as e:  # the worker itself ended (GreenletExit thrown into it)
             self._finish(False, e)
             return
         finally:
             if isinstance(self._loop, SimLoop):
                 self._loop.wake_pollers()
-        if self._g.dead:
-            self._finish(True, result)
+        if isinstance(result, _Done):
+            if len(_IDLE) < _MAX_IDLE:
+                _IDLE.append(g)
+            self._finish(result.ok, result.value)
 
     def _finish(self, ok: bool, value: Any) -> None:
         self.done = True
@@ -198,6 +253,8 @@ class SimThread:
     def pause(self, loop: asyncio.AbstractEventLoop, delay: float) -> None:
         """Called by the worker itself at a gate: stop here until `delay` virtual seconds
         from now (the operation's latency), letting everything else run meanwhile."""
+        if isinstance(loop, SimLoop) and loop.idle_until(delay):
+            return  # nothing else would have run meanwhile: the clock moved, go on
         loop.call_later(delay, self.step)
         parent = self._g.parent
         assert parent is not None
