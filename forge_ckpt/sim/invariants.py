@@ -51,7 +51,9 @@ class Oracle:
     retired: set[Identity] = field(default_factory=set)  # removed with a reason, when seen
     writers: dict[Identity, int] = field(default_factory=dict)  # every step read: its generation
     epoch: Callable[[], int] = lambda: -1  # changes whenever storage may have changed
+    steps_epoch: Callable[[], int] = lambda: -1  # likewise, for anything but the lease
     _cache: tuple[int, dict[Identity, layout.Manifest]] | None = None
+    _steps: tuple[int, list[dict[int, tuple[bytes, layout.Manifest]]]] | None = None
     _gen: tuple[int, int] | None = None  # (epoch, the lease's generation then)
 
     # ---- reading the truth ------------------------------------------------------------------
@@ -66,19 +68,23 @@ class Oracle:
         if self._cache is not None and self._cache[0] == epoch:
             return self._cache[1]
         out = {}
-        for store in (self.view, self.aside):
+        for store, found in zip((self.view, self.aside), self._steps_there(), strict=True):
             fence = layout.read_fence(store)  # once: nothing changes while the oracle reads
-            for s in layout.all_steps(store):
-                if not fence.admits(s):
-                    continue
-                try:
-                    m = layout.read_committed(store, s, fence=fence)
-                except CheckpointCorruptError:
-                    continue
-                out[(s, m.created)] = m
+            for s, (marker, m) in found.items():
+                if fence.admits(s) and fence.problem(s, marker) is None:
+                    out[(s, m.created)] = m  # read_committed(store, s, fence=fence) would
         self.writers.update({i: m.generation for i, m in out.items()})
         self._cache = (epoch, out)
         return out
+
+    def _steps_there(self) -> list[dict[int, tuple[bytes, layout.Manifest]]]:
+        """Each store's steps whose marker and manifest check out, whatever the lease's record
+        says: (the marker's bytes, the manifest). Read again only when more than the lease
+        changed: a renewal or a record write changes only which of them count (the fence)."""
+        epoch = self.steps_epoch()
+        if self._steps is None or self._steps[0] != epoch:
+            self._steps = (epoch, [_checked_steps(st) for st in (self.view, self.aside)])
+        return self._steps[1]
 
     def lease_generation(self) -> int:
         epoch = self.epoch()
@@ -248,3 +254,15 @@ class Oracle:
         if got != want and not (lost and got == before):
             raise Violation("I2 load", f"load() returned step {got}, the newest legit is {want}"
                             + (f" (it was {before} when the load began)" if lost else ""))  # fmt: skip
+
+
+def _checked_steps(store: Storage) -> dict[int, tuple[bytes, layout.Manifest]]:
+    """Every step of `store` with a marker and a manifest that check out (no fence)."""
+    out = {}
+    for s in layout.all_steps(store):
+        try:
+            marker = bytes(store.read(f"{layout.step_name(s)}/{layout.MARKER}", 0, 4096))
+            out[s] = (marker, layout.read_committed(store, s, fence=layout.Fence()))
+        except (CheckpointCorruptError, FileNotFoundError):
+            continue
+    return out

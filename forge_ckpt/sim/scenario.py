@@ -398,6 +398,7 @@ def _run(world: World) -> str | None:
                   f"{config.memory_keep} nodes={world.memory.alive} slow={world.memory.slow}")  # fmt: skip
     oracle = Oracle(_ungated(world), _ungated(world, "/replaced"), config.keep_last)
     oracle.epoch = lambda: world.epoch
+    oracle.steps_epoch = lambda: world.steps_epoch
     world.observers.append(oracle.observe)
     jobs = [Job(world, oracle, f"job{i}", config) for i in range(3)]
     for job in jobs:
