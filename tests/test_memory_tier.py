@@ -341,14 +341,14 @@ def test_driver_sigkill_resumes_from_memory(nodes, s3_folder, tmp_path):
     cmd = [sys.executable, HERE, nodes.address, s3_folder.url]
     log = open(tmp_path / "driver.log", "w+")  # noqa: SIM115
     proc = subprocess.Popen([*cmd, first, "first"], env=env, stdout=log, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + cu.HANG_S
     while "DONE" not in open(log.name).read():
         assert proc.poll() is None and time.monotonic() < deadline, open(log.name).read()
         time.sleep(0.05)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert committed_steps(s3_folder.url, s3_folder.options) == [2]  # step 3: only in memory
-    out = subprocess.run([*cmd, again, "resume"], env=env, capture_output=True, timeout=120)
+    out = subprocess.run([*cmd, again, "resume"], env=env, capture_output=True, timeout=cu.HANG_S)
     assert out.returncode == 0, out.stdout.decode()[-3000:] + out.stderr.decode()[-3000:]
     assert json.load(open(again)) == json.load(open(first))
 
