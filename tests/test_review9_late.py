@@ -1,9 +1,12 @@
-"""Review 9: an owed commit is checked once (`run_owed` reads whether it landed) but nothing
-makes sure its thread has ended: a loop closed without joining its executor (a runner that
-calls `loop.close()`, not `asyncio.run`) cancels the commit's asyncio futures, the entry is
-owed, and the commit's thread runs on. The next loop's `load()` reads "not landed", drops the
-entry and resumes step 1; then step 2's COMMIT lands. The new branch's save(2) is told
-"already committed" and saves nothing: load() resumes the OLD step 2 (held storage, no Ray)."""
+"""Review 9: an owed commit was checked once (`run_owed` reads whether it landed) but nothing
+made sure its thread had ended. A loop shut down without joining its executor (a runner that
+cancels every task then calls `loop.close()`, not `asyncio.run`) cancelled the commit's
+storage call (its future), the entry was owed, and the commit's thread ran on. The next
+loop's `load()` read "not landed", dropped the entry and resumed step 1; then step 2's COMMIT
+landed, and the new branch's save(2) was told "already committed" and saved nothing: load()
+resumed the OLD step 2. A call cancelled that way now makes the next save or load wait for
+every storage call still running (bounded by `save_timeout_s`) before it looks (held
+storage, no Ray)."""
 
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ from typing import Any
 import pytest
 from _held_storage import HOLDS, RULES, Clock, Comp, Handle, hold, job
 
+from forge_ckpt.errors import CheckpointError
 from forge_ckpt.steps import commit
 
 
@@ -31,12 +35,35 @@ def run_and_close(main: Any) -> None:
         loop.close()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="open (issue 22): an owed commit whose thread outlives its loop (loop.close() without "
-    "joining the executor) can land after the next loop's check; asyncio.run() joins it first",
-)
-def test_a_commit_landing_after_the_owed_check(tmp_path, monkeypatch):
+def first_loop(a: Any, comp: Comp, held: Any) -> None:
+    """save(1), then save(2), whose commit is held at its COMMIT when the loop is shut down."""
+
+    async def first() -> None:
+        await a.save(1)
+        await a.wait()
+        comp.version = 2
+        await a.save(2)  # returns at the snapshots; the commit runs in `_pending`
+        await held.reached()
+
+    run_and_close(first)
+
+
+def waiting_for_calls(a: Any) -> threading.Event:
+    """Set once the coordinator waits for the storage calls a shut-down loop left running."""
+    waiting, real = threading.Event(), a._calls.wait_idle
+
+    def wait_idle(timeout_s: float) -> bool:
+        waiting.set()
+        return real(timeout_s)
+
+    a._calls.wait_idle = wait_idle
+    return waiting
+
+
+@pytest.fixture
+def held_job(tmp_path, monkeypatch):
+    """A deferred job whose save(2) commit will be held at its COMMIT; the holds are let go
+    and the job closed at the end, whatever the test did."""
     real, landed = commit.commit_step, threading.Event()
 
     def noted(store: Any, manifest: Any, *args: Any) -> Any:
@@ -53,36 +80,51 @@ def test_a_commit_landing_after_the_owed_check(tmp_path, monkeypatch):
     RULES.clear()
     HOLDS.clear()
     held = hold("create", "step-2/COMMIT")
-
-    async def first() -> None:
-        await a.save(1)
-        await a.wait()
-        comp.version = 2
-        await a.save(2)  # returns at the snapshots; the commit runs in `_pending`
-        await held.reached()
-
-    async def second() -> tuple[Any, Any, Any]:
-        loaded = await a.load()  # a recovery: step 2's entry is owed, not landed yet
-        owed = [m.step for m, *_ in getattr(a, "_follow_ups", a).__dict__.get("owed", [])]
-        held.go.set()
-        assert await asyncio.to_thread(landed.wait, 60)
-        comp.version = 20  # the state trained again from step 1
-        saved = await a.save(2)
-        await a.wait()
-        comp.version = -1
-        again = await a.load()
-        return loaded, (owed, saved.committed), again
-
     try:
-        run_and_close(first)
-        loaded, (owed, committed), again = asyncio.run(second())
+        yield a, comp, held, landed
     finally:
         for h in HOLDS:
             h.go.set()
         RULES.clear()
         HOLDS.clear()
         a.close()
-    print(f"recovery load -> step {loaded and loaded.step} (owed left {owed}); save(2) "
-          f"committed={committed}; load() -> step {again and again.step} version {comp.version}")  # fmt: skip
-    assert again is not None and again.step == 2
-    assert comp.version == 20, f"save(2) of the resumed run saved nothing: version {comp.version}"
+
+
+def test_a_load_waits_for_a_commit_its_shut_down_loop_left_running(held_job):
+    a, comp, held, landed = held_job
+    first_loop(a, comp, held)
+    waiting = waiting_for_calls(a)
+
+    async def second() -> tuple[Any, Any]:
+        load = asyncio.ensure_future(a.load())
+        assert await asyncio.to_thread(waiting.wait, 60), "the load did not wait for the call"
+        assert not load.done()
+        held.go.set()  # the commit's thread goes on: its COMMIT lands while the load waits
+        loaded = await load
+        comp.version = 3
+        saved = await a.save(3)
+        await a.wait()
+        return loaded, saved
+
+    loaded, saved = asyncio.run(second())
+    assert landed.is_set()
+    assert loaded is not None and loaded.step == 2  # the step that landed, not step 1
+    assert saved.committed and a.steps()[-2:] == [2, 3]
+
+
+def test_a_call_still_running_past_the_bound_fails_the_load_and_decides_nothing(held_job):
+    a, comp, held, landed = held_job
+    first_loop(a, comp, held)
+    a.config.save_timeout_s = 0.5  # the call is held by the test: it outlives any bound
+
+    async def second() -> Any:
+        with pytest.raises(CheckpointError, match=r"still runs after 0\.5 s") as e:
+            await a.load()
+        assert "retry once it ends" in str(e.value)
+        assert comp.version == 2  # nothing loaded
+        held.go.set()
+        assert await asyncio.to_thread(landed.wait, 60)
+        return await a.load()  # the retry reads what the commit left: step 2 landed
+
+    loaded = asyncio.run(second())
+    assert loaded is not None and loaded.step == 2

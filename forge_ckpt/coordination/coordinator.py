@@ -104,7 +104,16 @@ class CheckpointCoordinator:
         call = asyncio.ensure_future(self._rt.to_thread(self._under_lease, fn, *args))
         self._running.add(call)
         call.add_done_callback(_forget_call(self._running))
+        call.add_done_callback(self._cut_off)
         return await asyncio.shield(call)
+
+    def _cut_off(self, call: asyncio.Future) -> None:
+        """A call cancelled itself (its loop was shut down: asyncio.run, or a runner that
+        cancels every task and closes the loop without joining its executor) may still run
+        in its thread: the next save or load waits for it before it looks (review 9: a
+        COMMIT landed after the next loop's load had decided it had not)."""
+        if call.cancelled():
+            self._orphans = True
 
     async def _confirm_lease(self, step: int) -> None:
         """The lease check of a save whose step is already committed; a storage error there
@@ -150,9 +159,9 @@ class CheckpointCoordinator:
         bound = self.config.save_timeout_s
         if not await self._rt.to_thread(self._calls.wait_idle, bound):
             raise CheckpointError(
-                f"a storage call of an event loop that was closed without asyncio.run() still "
-                f"runs after {bound:g} s (save_timeout_s); what it leaves cannot be read yet: "
-                "retry once it ends"
+                f"a storage call of an event loop that was shut down still runs after "
+                f"{bound:g} s (save_timeout_s); what it leaves cannot be read yet: retry once "
+                "it ends"
             )
         self._orphans = False
 
