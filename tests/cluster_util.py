@@ -219,9 +219,10 @@ def node_of(actor: Any) -> str:
 class Buffer(Checkpointable):
     """A small stateful actor: draws from its own generator and keeps what it drew."""
 
-    def __init__(self, seed: int) -> None:
+    def __init__(self, seed: int, hold: str | None = None) -> None:
         self.rng = np.random.default_rng(seed)
         self.history: list[float] = []
+        self.hold = hold  # while this file exists, a snapshot waits (a save held in flight)
 
     def rng_generators(self) -> dict[str, Any]:
         return {"rng": self.rng}
@@ -234,6 +235,8 @@ class Buffer(Checkpointable):
         time.sleep(seconds)
 
     def state_dict(self) -> dict[str, Any]:
+        while self.hold is not None and os.path.exists(self.hold):
+            time.sleep(0.01)  # a condition the test controls, never a duration
         return {"history": list(self.history), "blob": np.arange(50_000, dtype=np.float32)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -268,18 +271,21 @@ async def drive(address: str, folder: str, options: dict, out: str, phase: str) 
 
     "first": trainer ranks on node_a and node_b, actors on the head and node_b; 2 steps, save
     2, 2 more steps (written to `out`: what a resume must reproduce), then a save of step 4
-    that is slow on node_b and prints SAVING while in flight (the test SIGKILLs us there).
+    whose node_b actor's snapshot waits while `out`.hold exists (created here: the save stays
+    in flight, whatever the machine's speed, until the test SIGKILLs us).
     "resume": fresh actors with other seeds, load the newest step, the same 2 steps, to `out`.
     """
     ray.init(address=address, logging_level="WARNING", runtime_env={"env_vars": NODE_ENV})
     seed = 0 if phase == "first" else 7
-    slow = {"runtime_env": {"env_vars": {"FORGE_CKPT_FAULT": "put:sleep=2"}}}
+    hold = out + ".hold" if phase == "first" else None
     ranks = trainer_ranks(["node_a", "node_b"], seed)
     actors = [
         Buffer.options(**on("head")).remote(seed),
-        Buffer.options(**on("node_b"), **slow).remote(seed + 1),
+        Buffer.options(**on("node_b")).remote(seed + 1, hold),
     ]
-    coord = CheckpointCoordinator(CheckpointConfig(folder=folder, storage_options=options))
+    config = CheckpointConfig(folder=folder, storage_options=options)
+    config.save_timeout_s = config.load_timeout_s = HANG_S  # the held snapshot: no timeout
+    coord = CheckpointCoordinator(config)
     coord.set_trainer(ranks)
     coord.register("dataset", actors[0])
     coord.register("replay", actors[1])
@@ -300,6 +306,8 @@ async def drive(address: str, folder: str, options: dict, out: str, phase: str) 
     with open(out, "w") as f:
         json.dump(result, f)
     if phase == "first":
+        assert hold is not None
+        open(hold, "w").close()  # noqa: SIM115
         print("SAVING", flush=True)
         await coord.save(4)
         print("SAVED", flush=True)  # the test kills us before this

@@ -58,17 +58,17 @@ def test_driver_sigkill_resumes_bitwise(nodes, s3_folder, tmp_path):
     cmd = [sys.executable, script, nodes.address, s3_folder.url]
     log = open(tmp_path / "driver.log", "w+")  # noqa: SIM115
     proc = subprocess.Popen([*cmd, first, "first"], env=env, stdout=log, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + cu.HANG_S
     while "SAVING" not in open(tmp_path / "driver.log").read():
         assert proc.poll() is None and time.monotonic() < deadline, open(log.name).read()
         time.sleep(0.05)
-    while pending_steps(s3_folder.url, s3_folder.options) != [4]:  # node_b writes slowly
+    while pending_steps(s3_folder.url, s3_folder.options) != [4]:  # node_b's snapshot is held
         assert proc.poll() is None and time.monotonic() < deadline, open(log.name).read()
         time.sleep(0.05)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert committed_steps(s3_folder.url, s3_folder.options) == [2]
-    out = subprocess.run([*cmd, again, "resume"], env=env, capture_output=True, timeout=180)
+    out = subprocess.run([*cmd, again, "resume"], env=env, capture_output=True, timeout=cu.HANG_S)
     assert out.returncode == 0, out.stdout.decode()[-3000:] + out.stderr.decode()[-3000:]
     want, got = json.load(open(first)), json.load(open(again))
     assert want["nodes"] == ["node_a", "node_b", "head", "node_b"]  # ranks, then actors
