@@ -150,8 +150,14 @@ async def test_timeout_names_the_config_knob(nodes, s3_folder):
     coord.close()
 
 
+# A GRPO job's bounds here are a hang's, not a speed's: under `make test-under-load` the
+# recreated actors of a recovery took over the app's default recovery.wait_s (120 s) to start.
+JOB_S = 900
+RECOVERY = f"recovery.wait_s={cu.HANG_S:g}"
+
+
 def grpo(run_dir: str, overrides: list[str], env: dict, log: str) -> chaos.Job:
-    return chaos.Job(CONFIG, run_dir, overrides, env, log)
+    return chaos.Job(CONFIG, run_dir, [*overrides, RECOVERY], env, log)
 
 
 def read(path: str) -> bytes:
@@ -190,13 +196,13 @@ def test_grpo_recovers_from_a_lost_node_bitwise(nodes, reference, s3_folder, tmp
         f"checkpoint.folder={s3_folder.url}",
     ]
     job = grpo(run_dir, overrides, s3_folder.server.env(), str(tmp_path / "run.log"))
-    assert chaos.wait_until(job, lambda: chaos.metrics_lines(run_dir) >= after, 300, 0.01)
+    assert chaos.wait_until(job, lambda: chaos.metrics_lines(run_dir) >= after, JOB_S, 0.01)
     time.sleep(delay)
     victim = cu.busiest_worker(nodes)  # SPREAD puts some of the job's actors on a worker
     assert victim is not None
     nodes.remove(victim)  # mid-run: its raylet and every process on it are killed
     try:
-        assert job.wait(timeout=300) == 0, read(job.log).decode()[-3000:]
+        assert job.wait(timeout=JOB_S) == 0, read(job.log).decode()[-3000:]
     finally:
         nodes.restore()
     same_run(run_dir, reference)
@@ -220,15 +226,15 @@ def test_async_grpo_recovers_from_a_node_lost_mid_generation_bitwise(
     after = random.Random().randint(3, 9)
     run_dir = str(tmp_path / "run")
     overrides = [f"ray.address={nodes.address}", "ray.placement=spread", "policy.replicas=3",
-                 f"checkpoint.folder={s3_folder.url}"]  # fmt: skip
+                 f"checkpoint.folder={s3_folder.url}", RECOVERY]  # fmt: skip
     job = chaos.Job(ASYNC_CONFIG, run_dir, overrides, s3_folder.server.env(), str(tmp_path / "log"))
-    assert chaos.wait_until(job, lambda: chaos.metrics_lines(run_dir) >= after, 300, 0.01)
+    assert chaos.wait_until(job, lambda: chaos.metrics_lines(run_dir) >= after, JOB_S, 0.01)
     victim = cu.worker_of(nodes, "Generator")  # SPREAD puts some of the 3 on a worker
     assert victim is not None, "no generator was placed on a worker node"
     print(f"removing {victim} (holds a generator) after step {after}'s line")
     nodes.remove(victim)  # its raylet and every process on it are killed, mid-generation
     try:
-        assert job.wait(timeout=300) == 0, read(job.log).decode()[-3000:]
+        assert job.wait(timeout=JOB_S) == 0, read(job.log).decode()[-3000:]
     finally:
         nodes.restore()
     same_run(run_dir, reference)
@@ -251,7 +257,7 @@ def test_grpo_recovers_from_a_killed_actor_bitwise(reference, tmp_path):
     run_dir = str(tmp_path / "run")
     env = {chaos.CHAOS_KILL: "replay@5"}
     job = grpo(run_dir, [], env, str(tmp_path / "run.log"))
-    assert job.wait(timeout=300) == 0, read(job.log).decode()[-3000:]
+    assert job.wait(timeout=JOB_S) == 0, read(job.log).decode()[-3000:]
     same_run(run_dir, reference)
     (event,) = chaos_events(run_dir)
     assert event["lost"] == ["actor 'replay'"] and event["resumed_step"] == 4
