@@ -178,3 +178,20 @@ class Comp(Checkpointable):
 
     def load_state_dict(self, state: dict) -> None:
         self.version = int(state["version"])
+
+
+def looking_at_calls(coord: Any) -> threading.Event:
+    """Set once `coord` looks at its running storage calls while one runs: what it does
+    before it waits for the calls an earlier event loop left running (review 9, review 12)."""
+    looked, base = threading.Event(), type(coord._calls)
+
+    class Watched(base):  # type: ignore[misc, valid-type]
+        @property
+        def busy(self) -> int:
+            n = base.busy.fget(self)  # type: ignore[attr-defined]
+            if n:
+                looked.set()
+            return n
+
+    coord._calls.__class__ = Watched
+    return looked

@@ -26,6 +26,7 @@ from _held_storage import (  # noqa: F401
     held_rules,
     hold,
     job,
+    looking_at_calls,
 )
 from _owed_faults import failing_looks, lose_replies, wait_cancelled_in_its_look
 
@@ -141,13 +142,7 @@ def test_a_closed_loops_commit_that_lands_after_the_next_load_began(tmp_path):
     loop.run_until_complete(a.save(2))
     loop.run_until_complete(held.reached())
     loop.close()  # nothing cancelled: the commit's thread waits at its COMMIT
-    real, waiting = getattr(a._calls, "wait_idle", None), threading.Event()
-
-    def wait_idle(timeout_s: float) -> bool:
-        waiting.set()
-        return bool(real and real(timeout_s))
-
-    a._calls.wait_idle = wait_idle  # type: ignore[method-assign]
+    waiting = looking_at_calls(a)
 
     async def load_beside_the_thread() -> object:
         comp.version = -1

@@ -15,7 +15,7 @@ import threading
 from typing import Any
 
 import pytest
-from _held_storage import HOLDS, RULES, Clock, Comp, Handle, hold, job
+from _held_storage import HOLDS, RULES, Clock, Comp, Handle, hold, job, looking_at_calls
 
 from forge_ckpt.errors import CheckpointError
 from forge_ckpt.steps import commit
@@ -46,18 +46,6 @@ def first_loop(a: Any, comp: Comp, held: Any) -> None:
         await held.reached()
 
     run_and_close(first)
-
-
-def waiting_for_calls(a: Any) -> threading.Event:
-    """Set once the coordinator waits for the storage calls a shut-down loop left running."""
-    waiting, real = threading.Event(), a._calls.wait_idle
-
-    def wait_idle(timeout_s: float) -> bool:
-        waiting.set()
-        return real(timeout_s)
-
-    a._calls.wait_idle = wait_idle
-    return waiting
 
 
 @pytest.fixture
@@ -93,7 +81,7 @@ def held_job(tmp_path, monkeypatch):
 def test_a_load_waits_for_a_commit_its_shut_down_loop_left_running(held_job):
     a, comp, held, landed = held_job
     first_loop(a, comp, held)
-    waiting = waiting_for_calls(a)
+    waiting = looking_at_calls(a)
 
     async def second() -> tuple[Any, Any]:
         load = asyncio.ensure_future(a.load())

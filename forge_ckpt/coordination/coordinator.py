@@ -81,6 +81,7 @@ class CheckpointCoordinator:
         self._pending: asyncio.Task | None = None
         self._pending_step = -1  # its step
         self._op_lock: tuple[Any, asyncio.Lock] | None = None  # (its loop, the lock): _op()
+        self._last_loop: Any = None  # the event loop of the last look (_quiesce_calls)
         self._running: set[asyncio.Future] = set()  # storage calls in their threads
         self._follow_ups = FollowUps(self._committed_follow_up, self._io, self._running,
                                      lambda store, step: self._timeline.committed(store, step))  # fmt: skip
@@ -146,6 +147,12 @@ class CheckpointCoordinator:
         commit whose follow-up was cut off has it (follow_ups.py)."""
         if self._follow_ups.reap_closed():
             self._orphans = True
+        loop = asyncio.get_running_loop()
+        if self._last_loop is not loop:  # the first look in this loop: any call running now
+            self._orphans = self._orphans or (  # is an earlier loop's (its persist's, say:
+                self._last_loop is not None and self._calls.busy > 0  # review 14, claim 1)
+            )
+            self._last_loop = loop
         while pending := (self._running if every else self._follow_ups.tasks):
             await asyncio.wait(set(pending))
         if self._orphans:  # a closed loop's storage call may still run: what it leaves (a
@@ -155,9 +162,15 @@ class CheckpointCoordinator:
     async def _await_orphans(self) -> None:
         """Until no storage call of this coordinator runs (review 12, claim 2: a commit's
         thread of a loop closed without asyncio.run() landed after the next loop's load had
-        decided it had not, and a later save of that number was told "committed")."""
+        decided it had not, and a later save of that number was told "committed"). Looked at
+        every ORPHAN_POLL_S on the loop's clock, not waited for in a thread: in the
+        simulation the calls run on the loop's own thread, and a blocked wait would stop them."""
         bound = self.config.save_timeout_s
-        if not await self._rt.to_thread(self._calls.wait_idle, bound):
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + bound
+        while self._calls.busy and loop.time() < deadline:
+            await asyncio.sleep(ORPHAN_POLL_S)
+        if self._calls.busy:
             raise CheckpointError(
                 f"a storage call of an event loop that was shut down still runs after "
                 f"{bound:g} s (save_timeout_s); what it leaves cannot be read yet: retry once "
@@ -566,6 +579,10 @@ class CheckpointCoordinator:
         try:
             await self._settle()
             self._calls.check_open()
+            # Every call this coordinator waits for has ended, and the persists are settled:
+            # a call still running was cut off from its caller (a persist's COMMIT whose task
+            # was cancelled, review 14 claim 1). The load waits for it before it looks.
+            self._orphans = self._orphans or self._calls.busy > 0
             await self._quiesce(decide=True)
             self._timeline.forget()
             if self.tier is not None:
@@ -669,6 +686,9 @@ class CheckpointCoordinator:
             await self.aclose()
         else:
             self.close()
+
+
+ORPHAN_POLL_S = 0.02  # how often a look waits for the calls an earlier loop left running
 
 
 def _log_background_failure(task: asyncio.Task) -> None:

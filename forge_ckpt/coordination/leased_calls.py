@@ -24,7 +24,6 @@ class LeasedCalls:
     def __init__(self, lease: Lease, release: Callable[[], None]) -> None:
         self._lease, self._release = lease, release
         self._state = threading.Lock()  # held only for a few lines, never across I/O
-        self._idle = threading.Condition(self._state)
         self._busy = 0
         self._close_requested = False
         self._closed = False
@@ -60,16 +59,8 @@ class LeasedCalls:
                 self._busy -= 1
                 release = self._close_requested and self._busy == 0 and not self._closed
                 self._closed = self._closed or release
-                if self._busy == 0:
-                    self._idle.notify_all()
             if release:
                 self._release()
-
-    def wait_idle(self, timeout_s: float) -> bool:
-        """Block until no call runs (at most `timeout_s`); whether none does. For a call of an
-        event loop closed without cancelling it: its thread runs on, unseen by any future."""
-        with self._idle:
-            return self._idle.wait_for(lambda: self._busy == 0, timeout_s)
 
     def close(self) -> None:
         """Release now if no call runs, else when the last one ends; a second close is a no-op."""
