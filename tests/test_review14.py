@@ -52,7 +52,7 @@ def test_a_load_waits_for_a_persist_commit_its_cancelled_task_left_running(
     for t in left:  # every task cancelled; the persist's commit thread runs on
         t.cancel()
     world.loop.run_until_complete(asyncio.gather(*left, return_exceptions=True))
-    assert a.coord._calls.busy == 1 and len(held) == 1
+    assert a.coord._calls.busy > 0 and len(held) == 1  # (the persist's commit call runs on)
     a.run(run_io(commit.remove_step, a.coord.tier.store, 2))  # step 2's memory copy is lost
 
     loaded = a.run(a.coord.load())

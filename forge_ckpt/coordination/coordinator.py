@@ -102,7 +102,7 @@ class CheckpointCoordinator:
         """A blocking storage call, off the event loop, under this coordinator's lease. A
         thread cannot be stopped: when its caller is cancelled the call runs to its end, and
         the next save or load waits for it first (`_quiesce`)."""
-        call = asyncio.ensure_future(self._rt.to_thread(self._under_lease, fn, *args))
+        call = asyncio.ensure_future(self._rt.to_thread(self._calls.submit(fn, *args)))
         self._running.add(call)
         call.add_done_callback(_forget_call(self._running))
         call.add_done_callback(self._cut_off)
@@ -131,7 +131,7 @@ class CheckpointCoordinator:
         """A persist's storage call, under the lease but not waited for by `_quiesce`: the
         persist runs beside the saves (a load settles it first), and a save must not wait
         out its calls (each up to the S3 call bound)."""
-        return await self._rt.to_thread(self._under_lease, fn, *args)
+        return await self._rt.to_thread(self._calls.submit(fn, *args))
 
     def _op(self) -> asyncio.Lock:
         """One save or load at a time (a load changes the branch a save acts on). One lock per
@@ -145,18 +145,23 @@ class CheckpointCoordinator:
         """What a cancelled save's commit set going (`_follow`) has ended and, if `every`
         (a save or load), every storage call a cancelled save or load left running; then a
         commit whose follow-up was cut off has it (follow_ups.py)."""
-        if self._follow_ups.reap_closed():
-            self._orphans = True
         loop = asyncio.get_running_loop()
         if self._last_loop is not loop:  # the first look in this loop: any call running now
+            persists = self.tier.in_flight if self.tier is not None else []
+            _refuse_open_elsewhere([*self._running, *self._follow_ups.tasks, *persists])
             self._orphans = self._orphans or (  # is an earlier loop's (its persist's, say:
                 self._last_loop is not None and self._calls.busy > 0  # review 14, claim 1)
             )
             self._last_loop = loop
+        reaped = self.tier is not None and self.tier.reap_closed()
+        if self._follow_ups.reap_closed() or reaped:
+            self._orphans = True
         while pending := (self._running if every else self._follow_ups.tasks):
             await asyncio.wait(set(pending))
         if self._orphans:  # a closed loop's storage call may still run: what it leaves (a
             await self._await_orphans()  # COMMIT, say) must be there before anyone looks
+        if self.tier is not None:
+            await self.tier.unpin_reaped()
         await self._follow_ups.run_owed(decide)
 
     async def _await_orphans(self) -> None:
@@ -491,6 +496,7 @@ class CheckpointCoordinator:
         folder unless `persisting=False`); raises an error if one failed (never dropped)."""
         pending, result, cut = self._pending, None, False
         failure: Exception | None = None
+        _refuse_open_elsewhere([pending] if pending is not None else [])
         if pending is not None and not pending.done() and pending.get_loop().is_closed():
             failure, cut = self._cut_off_error(), True  # its loop closed under it (review 10, F)
         elif pending is not None:
@@ -689,6 +695,21 @@ class CheckpointCoordinator:
 
 
 ORPHAN_POLL_S = 0.02  # how often a look waits for the calls an earlier loop left running
+
+
+def _refuse_open_elsewhere(futures: list[asyncio.Future]) -> None:
+    """Work of this coordinator under way in another event loop that is still open (left
+    idle, not closed) can end only in that loop: waiting for it here would wait forever
+    (review 15, claim 3). A closed loop's is dropped instead (`reap_closed`)."""
+    here = asyncio.get_running_loop()
+    for fut in futures:
+        loop = fut.get_loop()
+        if loop is not here and not loop.is_closed() and not fut.done():
+            raise CheckpointError(
+                f"this CheckpointCoordinator has work under way in another event loop that is "
+                f"still open ({loop!r}); run that loop until it ends, or close it, before using "
+                "the coordinator from this one (asyncio.run() does both)"
+            )
 
 
 def _log_background_failure(task: asyncio.Task) -> None:

@@ -23,7 +23,9 @@ class LeasedCalls:
 
     def __init__(self, lease: Lease, release: Callable[[], None]) -> None:
         self._lease, self._release = lease, release
-        self._state = threading.Lock()  # held only for a few lines, never across I/O
+        # Held only for a few lines, never across I/O; re-entrant: a dropped call's
+        # finalizer (_Call.__del__) may run wherever its last reference goes.
+        self._state = threading.RLock()
         self._busy = 0
         self._close_requested = False
         self._closed = False
@@ -35,19 +37,33 @@ class LeasedCalls:
 
     @property
     def busy(self) -> int:
-        """How many calls run now."""
+        """How many calls run now, or were submitted and may still start."""
         return self._busy
 
     def check_open(self) -> None:
         if self.closing:
             raise CheckpointError("this CheckpointCoordinator is closed")
 
-    def run(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """`fn(*args)` under the lease: storage calls find it (lock.CURRENT), and a delete
-        request checks first that it is still held, renewed just now (lock.FRESH_S)."""
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Callable[[], Any]:
+        """`fn(*args)` as a call to hand to a thread, counted as running from now: a call
+        queued behind busy executor workers when its event loop was closed (nothing
+        cancelled) runs later, and the next loop must wait for it as for one that runs
+        (review 15, claim 1). One dropped unrun (its queued work cancelled) stops counting
+        then."""
         with self._state:
             self.check_open()
             self._busy += 1
+        return _Call(self, fn, args)
+
+    def run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """`fn(*args)` under the lease, now, in this thread."""
+        return self.submit(fn, *args)()
+
+    def _under_lease(self, fn: Callable[..., Any], args: tuple) -> Any:
+        """Storage calls find the lease (lock.CURRENT), and a delete request checks first
+        that it is still held, renewed just now (lock.FRESH_S)."""
+        if self._close_requested:  # asked for since this call was submitted: refused (the
+            raise CheckpointError("this CheckpointCoordinator is closed")  # release waits)
         token = CURRENT_LEASE.set(self._lease)
         fence = BEFORE_DELETE.set(self._fresh_lease)
         try:
@@ -55,12 +71,14 @@ class LeasedCalls:
         finally:
             BEFORE_DELETE.reset(fence)
             CURRENT_LEASE.reset(token)
-            with self._state:
-                self._busy -= 1
-                release = self._close_requested and self._busy == 0 and not self._closed
-                self._closed = self._closed or release
-            if release:
-                self._release()
+
+    def _end(self) -> None:
+        with self._state:
+            self._busy -= 1
+            release = self._close_requested and self._busy == 0 and not self._closed
+            self._closed = self._closed or release
+        if release:
+            self._release()
 
     def close(self) -> None:
         """Release now if no call runs, else when the last one ends; a second close is a no-op."""
@@ -75,3 +93,27 @@ class LeasedCalls:
 
     def _fresh_lease(self) -> None:
         self._lease.check(fresh=True)
+
+
+class _Call:
+    """One submitted call: counted until it ends, or until it is dropped without running
+    (a queued executor item that was cancelled is discarded, and this with it)."""
+
+    __slots__ = ("_calls", "_fn", "_args", "_started")
+
+    def __init__(self, calls: LeasedCalls, fn: Callable[..., Any], args: tuple) -> None:
+        self._calls, self._fn, self._args, self._started = calls, fn, args, False
+
+    def __call__(self) -> Any:
+        if self._started:
+            raise RuntimeError("a leased call runs once")
+        self._started = True
+        try:
+            return self._calls._under_lease(self._fn, self._args)
+        finally:
+            self._calls._end()
+
+    def __del__(self) -> None:
+        if not self._started:
+            self._started = True
+            self._calls._end()

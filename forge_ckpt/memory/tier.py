@@ -71,6 +71,8 @@ class MemoryTier:
         self._persisting: asyncio.Task | None = None
         self._stopped: set[asyncio.Task] = set()  # persists cancel() already cancelled
         self._chain: set[asyncio.Task] = set()  # every persist not yet ended (cancel() stops all)
+        self._chain_steps: dict[asyncio.Task, int] = {}  # each one's step
+        self._reaped: list[int] = []  # steps of persists a closed loop left: to unpin
         self._queued: asyncio.Task | None = None  # the persist waiting its turn (at most one)
         self._queued_before: asyncio.Task | None = None  # the one it waits for
         self._queued_step = -1  # its step
@@ -232,7 +234,8 @@ class MemoryTier:
         task = self._persisting = asyncio.create_task(turn)
         self._queued, self._queued_before, self._queued_step = task, before, manifest.step
         self._chain.add(task)
-        task.add_done_callback(self._chain.discard)
+        self._chain_steps[task] = manifest.step
+        task.add_done_callback(self._ended)
         return before
 
     async def _queued_turn(
@@ -385,8 +388,45 @@ class MemoryTier:
         if failure is not None:
             raise failure
 
+    @property
+    def in_flight(self) -> list[asyncio.Task]:
+        """The persists not yet ended."""
+        return list(self._chain)
+
+    def _ended(self, task: asyncio.Task) -> None:
+        self._chain.discard(task)
+        self._chain_steps.pop(task, None)
+
+    def reap_closed(self) -> bool:
+        """Persists of an event loop closed without ending them (no asyncio.run(): nothing
+        cancelled them) never end: each is dropped, as a persist cut off by its loop's end
+        is (its step may not be durable; `unpin_reaped` unpins it once the storage calls
+        it left have ended). Whether any was (review 15, claim 2: load(), wait() and the
+        next save waited for such a persist forever)."""
+        dead = [t for t in self._chain if not t.done() and t.get_loop().is_closed()]
+        for task in dead:
+            self._reaped.append(self._chain_steps.pop(task))
+            self._chain.discard(task)
+            self._stopped.discard(task)
+        if self._persisting in dead:
+            self._persisting = None
+        if self._queued in dead:
+            self._queued, self._queued_before, self._queued_step = None, None, -1
+        if self._supersede is not None and self._supersede.get_loop().is_closed():
+            self._supersede = None
+        return bool(dead)
+
+    async def unpin_reaped(self) -> None:
+        """Unpin the steps of the persists `reap_closed` dropped (after close(), the holders
+        may be a successor's: `_cut_off` leaves them alone then)."""
+        while self._reaped:
+            step = self._reaped.pop(0)
+            if not self._closing:
+                await self._cut_off(step)
+
     def cancel(self) -> None:
         """Stop a persist in flight (close()): once, whoever asks again."""
+        self.reap_closed()  # (a closed loop's task cannot be cancelled: it never runs again)
         self._closing = True
         live = [t for t in self._chain if not t.done() and t not in self._stopped]
         if live:
@@ -427,7 +467,7 @@ class MemoryTier:
         except BaseException:
             await self.io(commit.remove_step, durable, step)
             raise
-        await self.to_thread(commit_fn, manifest)  # from here on, nothing is removed
+        await self.io(commit_fn, manifest)  # from here on, nothing is removed
         log.info("persisted memory step %d to %s", step, durable.where(name))
         return True
 
