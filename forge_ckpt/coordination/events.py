@@ -51,8 +51,9 @@ class Events:
 
     def emit(self, event: CheckpointEvent) -> None:
         event.time = time.time()
-        record = event.to_dict()
-        log.info("%s", json.dumps(record), extra={"event": record})
+        if log.isEnabledFor(logging.INFO):  # (the JSON is work even when nobody reads it)
+            record = event.to_dict()
+            log.info("%s", json.dumps(record), extra={"event": record})
         if self.callback is None:
             return
         try:

@@ -21,7 +21,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+import re
 from dataclasses import dataclass, field
 
 from ..errors import CheckpointCorruptError
@@ -50,11 +50,11 @@ class Oracle:
     at_branch: set[Identity] = field(default_factory=set)  # what was seen at that load
     retired: set[Identity] = field(default_factory=set)  # removed with a reason, when seen
     writers: dict[Identity, int] = field(default_factory=dict)  # every step read: its generation
-    epoch: Callable[[], int] = lambda: -1  # changes whenever storage may have changed
-    steps_epoch: Callable[[], int] = lambda: -1  # likewise, for anything but the lease
-    _cache: tuple[int, dict[Identity, layout.Manifest]] | None = None
+    changes: Changes | None = None  # what may have changed (None: read everything each time)
+    _cache: tuple[int, dict[Identity, layout.Manifest], dict[int, layout.Manifest]] | None = None
     _steps: tuple[int, list[dict[int, tuple[bytes, layout.Manifest]]]] | None = None
-    _gen: tuple[int, int] | None = None  # (epoch, the lease's generation then)
+    _seen: tuple[int, dict[int, int]] = (-1, {})  # `changes.wide` and `.step` when last read
+    _gen: tuple[int, int] | None = None  # (changes.any, the lease's generation then)
 
     # ---- reading the truth ------------------------------------------------------------------
     def present(self) -> dict[Identity, int]:
@@ -64,31 +64,53 @@ class Oracle:
     def manifests(self) -> dict[Identity, layout.Manifest]:
         """Valid steps, including one a rollback set aside (it is put back if its
         replacement fails: still there, as far as a loss goes)."""
-        epoch = self.epoch()
-        if self._cache is not None and self._cache[0] == epoch:
-            return self._cache[1]
-        out = {}
+        return self._read()[1]
+
+    def _committed_in_view(self) -> dict[int, layout.Manifest]:
+        """The folder's committed steps: what `branch.committed_manifests(view)` reads."""
+        return self._read()[2]
+
+    def _read(self) -> tuple[int, dict[Identity, layout.Manifest], dict[int, layout.Manifest]]:
+        epoch = self.changes.any if self.changes is not None else -1
+        if self._cache is not None and self._cache[0] == epoch and epoch >= 0:
+            return self._cache
+        out, view = {}, {}
         for store, found in zip((self.view, self.aside), self._steps_there(), strict=True):
             fence = layout.read_fence(store)  # once: nothing changes while the oracle reads
             for s, (marker, m) in found.items():
                 if fence.admits(s) and fence.problem(s, marker) is None:
                     out[(s, m.created)] = m  # read_committed(store, s, fence=fence) would
+                    if store is self.view:
+                        view[s] = m
         self.writers.update({i: m.generation for i, m in out.items()})
-        self._cache = (epoch, out)
-        return out
+        self._cache = (epoch, out, view)
+        return self._cache
 
     def _steps_there(self) -> list[dict[int, tuple[bytes, layout.Manifest]]]:
         """Each store's steps whose marker and manifest check out, whatever the lease's record
         says: (the marker's bytes, the manifest). Read again only when more than the lease
-        changed: a renewal or a record write changes only which of them count (the fence)."""
-        epoch = self.steps_epoch()
-        if self._steps is None or self._steps[0] != epoch:
-            self._steps = (epoch, [_checked_steps(st) for st in (self.view, self.aside)])
-        return self._steps[1]
+        changed (a renewal or a record write changes only which of them count: the fence),
+        and then only the steps whose marker or manifest changed, unless a write could not
+        be tied to one step (a folder removed or moved)."""
+        stores = (self.view, self.aside)
+        ch = self.changes
+        if ch is None:
+            return [_checked_steps(st) for st in stores]
+        if self._steps is not None and self._steps[0] == ch.steps:
+            return self._steps[1]
+        if self._steps is None or self._seen[0] != ch.wide:
+            found = [_checked_steps(st) for st in stores]
+        else:
+            dirty = [n for n, e in ch.step.items() if self._seen[1].get(n) != e]
+            old = self._steps[1]
+            found = [_patched(st, was, dirty) for st, was in zip(stores, old, strict=True)]
+        self._seen = (ch.wide, dict(ch.step))
+        self._steps = (ch.steps, found)
+        return found
 
     def lease_generation(self) -> int:
-        epoch = self.epoch()
-        if self._gen is None or self._gen[0] != epoch:
+        epoch = self.changes.any if self.changes is not None else -1
+        if self._gen is None or self._gen[0] != epoch or epoch < 0:
             self._gen = (epoch, self._read_generation())
         return self._gen[1]
 
@@ -238,10 +260,10 @@ class Oracle:
 
     def loadable(self) -> list[Identity]:
         """Durable steps a load may return: committed, legit, not abandoned."""
-        present = {i: g for i, g in self.present().items()
-                   if layout.is_committed(self.view, i[0])}  # fmt: skip
-        gone = branch.superseded(self.view)
-        return [i for i in present if i not in self.late and i[0] not in gone]
+        found = self._committed_in_view()  # (layout.is_committed(view, step) for each)
+        gone = branch.superseded(self.view, found)
+        return [i for i in self.present()
+                if i[0] in found and i not in self.late and i[0] not in gone]  # fmt: skip
 
     def check_load(self, got: int | None, before: int | None = None, lost: bool = False) -> None:
         """`before`: the newest legit step when the load began. A load whose job lost the
@@ -260,9 +282,58 @@ def _checked_steps(store: Storage) -> dict[int, tuple[bytes, layout.Manifest]]:
     """Every step of `store` with a marker and a manifest that check out (no fence)."""
     out = {}
     for s in layout.all_steps(store):
-        try:
-            marker = bytes(store.read(f"{layout.step_name(s)}/{layout.MARKER}", 0, 4096))
-            out[s] = (marker, layout.read_committed(store, s, fence=layout.Fence()))
-        except (CheckpointCorruptError, FileNotFoundError):
-            continue
+        got = _checked_step(store, s)
+        if got is not None:
+            out[s] = got
     return out
+
+
+def _checked_step(store: Storage, s: int) -> tuple[bytes, layout.Manifest] | None:
+    try:
+        marker = bytes(store.read(f"{layout.step_name(s)}/{layout.MARKER}", 0, 4096))
+        return marker, layout.read_committed(store, s, fence=layout.Fence())
+    except (CheckpointCorruptError, FileNotFoundError):
+        return None
+
+
+def _patched(
+    store: Storage, old: dict[int, tuple[bytes, layout.Manifest]], dirty: list[int]
+) -> dict[int, tuple[bytes, layout.Manifest]]:
+    """`old` with the steps in `dirty` read again (in step order, as a listing gives them)."""
+    new = dict(old)
+    for s in dirty:
+        got = _checked_step(store, s)
+        if got is None:
+            new.pop(s, None)
+        else:
+            new[s] = got
+    return dict(sorted(new.items()))
+
+
+_STEP_IN_PATH = re.compile(r"(?:^|/)step-(\d+)/")
+
+
+@dataclass
+class Changes:
+    """What storage writes may have changed of what the oracle reads (the world counts them
+    at its gate): `any`, every such write; `steps`, those to anything but the lease; `wide`,
+    those it cannot tie to one step number (a folder removed or moved, a batch); `step[N]`,
+    those to a marker or manifest of a step N (in whichever folder: at worst a read more)."""
+
+    any: int = 0
+    steps: int = 0
+    wide: int = 0
+    step: dict[int, int] = field(default_factory=dict)
+
+    def wrote(self, path: str, one_path: bool) -> None:
+        """A write to `path` (`one_path`: the operation changes that one object only)."""
+        self.any += 1
+        if path.endswith(layout.LEASE):
+            return
+        self.steps += 1
+        m = _STEP_IN_PATH.search(path) if one_path else None
+        if m is None:
+            self.wide += 1
+        else:
+            n = int(m.group(1))
+            self.step[n] = self.step.get(n, 0) + 1

@@ -10,6 +10,7 @@ command and the stacks, and ends that process.
 from __future__ import annotations
 
 import faulthandler
+import gc
 import os
 import sys
 import threading
@@ -83,6 +84,17 @@ def _start_worker(setup: Callable[[], None], stop: Any) -> None:
     global _STOP
     _STOP = stop
     setup()
+    _fewer_collections()
+
+
+def _fewer_collections() -> None:
+    """The modules and whatever they built stay out of the cyclic collector's scans, which
+    run ten times less often: about 4% of a schedule's time went to them. Schedules do not
+    change (traces of seeds 0-399 byte-identical): what they keep alive is referenced, and
+    refcounting frees the rest as before."""
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(7000, 10, 10)  # (700, 10, 10) by default
 
 
 def run_block(seeds: range, hang_s: float, trace: bool, verbose: bool) -> list[Result]:
@@ -107,6 +119,7 @@ def results(
     Closing the iterator early (a caller that stops at a violation) drops what is queued."""
     if jobs <= 1 or len(seeds) <= BLOCK:
         setup()
+        _fewer_collections()
         for s in seeds:
             yield from run_block(range(s, s + 1), hang_s, trace, verbose)
         return

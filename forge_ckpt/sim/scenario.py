@@ -397,8 +397,7 @@ def _run(world: World) -> str | None:
         world.log(f"memory tier: durable_every={config.durable_every} memory_keep="
                   f"{config.memory_keep} nodes={world.memory.alive} slow={world.memory.slow}")  # fmt: skip
     oracle = Oracle(_ungated(world), _ungated(world, "/replaced"), config.keep_last)
-    oracle.epoch = lambda: world.epoch
-    oracle.steps_epoch = lambda: world.steps_epoch
+    oracle.changes = world.changes
     world.observers.append(oracle.observe)
     jobs = [Job(world, oracle, f"job{i}", config) for i in range(3)]
     for job in jobs:

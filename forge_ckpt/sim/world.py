@@ -23,6 +23,7 @@ from ..steps.layout import LEASE, MANIFEST, MARKER
 from ..storage import SCHEMES, StorageSpec
 from ..storage.local import LocalStorage
 from ..storage.s3 import S3Storage
+from .invariants import Changes
 from .loop import PROC, Clock, Crash, SimLoop, SimThread
 from .s3server import Bucket, Client
 
@@ -106,8 +107,7 @@ class World:
         self.events = Trace(self.clock)
         self.observers: list[Callable[[], None]] = []
         self.observe_next = False
-        self.epoch = 0
-        self.steps_epoch = 0  # likewise, for a change to anything but the lease object
+        self.changes = Changes()  # what the oracle reads may have changed (its cache)
         self.violation: AssertionError | None = None  # the first one the oracle found
         self.threads: list[SimThread] = []
         self.memory: Any = None  # the memory tier's simulated cluster, if it runs (memory.py)
@@ -182,9 +182,7 @@ class World:
             outcome = "lost"
         self.events.op(proc.name if proc is not None else "-", op, path, outcome, delayed)
         if mutates and outcome != "fail" and _may_commit(op, path):
-            self.epoch += 1  # what the oracle reads may have changed
-            if not path.endswith(LEASE):  # and not only the lease (its record, its holder)
-                self.steps_epoch += 1
+            self.changes.wrote(path, op in _ONE_PATH)
         if mutates and outcome != "fail" and path.endswith(MARKER):
             self.observe_next = True
         return outcome

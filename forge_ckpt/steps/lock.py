@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextvars
 import errno
+import functools
 import logging
 import os
 import socket
@@ -63,6 +64,7 @@ def _proc_start(pid: int) -> str | None:
         return None
 
 
+@functools.cache  # (a process outlives neither its boot nor its pid namespace)
 def _boot_id() -> str | None:
     """This machine's boot (a pid of this machine means nothing on another or after a reboot)."""
     try:
@@ -72,6 +74,7 @@ def _boot_id() -> str | None:
         return None
 
 
+@functools.cache
 def _pid_ns() -> int | None:
     """This process's pid namespace: containers sharing a hostname still have their own."""
     try:
