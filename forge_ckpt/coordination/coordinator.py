@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -37,6 +37,7 @@ from .loader import Loader
 from .remote_errors import describe, save_error
 from .results import LoadResult, SaveResult
 from .runtime import DEFAULT, Runtime
+from .storage_calls import StorageCalls, refuse_open_elsewhere
 from .timeline import Timeline
 
 log = logging.getLogger("forge_ckpt")
@@ -61,7 +62,11 @@ class CheckpointCoordinator:
             clock_skew_s=config.max_clock_skew_s,
         )
         self._calls = LeasedCalls(self._lease, self._release)  # close() never cuts one
-        self._orphans = False  # storage calls of a closed loop may still run
+        self._storage = StorageCalls(
+            self._calls, runtime.to_thread, lambda: self.config.save_timeout_s
+        )
+        self._running = self._storage.running  # storage calls in their threads
+        self._io = self._storage.io
         self._under_lease = self._calls.run
         try:
             self.store.makedirs("")
@@ -81,8 +86,6 @@ class CheckpointCoordinator:
         self._pending: asyncio.Task | None = None
         self._pending_step = -1  # its step
         self._op_lock: tuple[Any, asyncio.Lock] | None = None  # (its loop, the lock): _op()
-        self._last_loop: Any = None  # the event loop of the last look (_quiesce_calls)
-        self._running: set[asyncio.Future] = set()  # storage calls in their threads
         self._follow_ups = FollowUps(self._committed_follow_up, self._io, self._running,
                                      lambda store, step: self._timeline.committed(store, step))  # fmt: skip
         # One commit at a time per store: a persist's durable commit (seconds on S3) never
@@ -92,29 +95,11 @@ class CheckpointCoordinator:
         # None: no memory tier
         self.tier = open_tier(config, self._lease.release, self.store, runtime.to_thread)
         if self.tier is not None:
-            self.tier.io = self._background_io
+            self.tier.io = self._storage.background
         memory = self.tier.store if self.tier is not None else None
         self._timeline = Timeline(self.store, config, memory)
         self._loader = Loader(config, self._signer, self.store, self.tier, self._timeline,
                               self._groups, self._io, self._newest)  # fmt: skip
-
-    async def _io(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """A blocking storage call, off the event loop, under this coordinator's lease. A
-        thread cannot be stopped: when its caller is cancelled the call runs to its end, and
-        the next save or load waits for it first (`_quiesce`)."""
-        call = asyncio.ensure_future(self._rt.to_thread(self._calls.submit(fn, *args)))
-        self._running.add(call)
-        call.add_done_callback(_forget_call(self._running))
-        call.add_done_callback(self._cut_off)
-        return await asyncio.shield(call)
-
-    def _cut_off(self, call: asyncio.Future) -> None:
-        """A call cancelled itself (its loop was shut down: asyncio.run, or a runner that
-        cancels every task and closes the loop without joining its executor) may still run
-        in its thread: the next save or load waits for it before it looks (review 9: a
-        COMMIT landed after the next loop's load had decided it had not)."""
-        if call.cancelled():
-            self._orphans = True
 
     async def _confirm_lease(self, step: int) -> None:
         """The lease check of a save whose step is already committed; a storage error there
@@ -126,12 +111,6 @@ class CheckpointCoordinator:
                 f"step {step} is already committed in {self.config.folder}, but this job "
                 f"could not confirm it still holds the folder's lease ({e}); retry the save"
             ) from e
-
-    async def _background_io(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """A persist's storage call, under the lease but not waited for by `_quiesce`: the
-        persist runs beside the saves (a load settles it first), and a save must not wait
-        out its calls (each up to the S3 call bound)."""
-        return await self._rt.to_thread(self._calls.submit(fn, *args))
 
     def _op(self) -> asyncio.Lock:
         """One save or load at a time (a load changes the branch a save acts on). One lock per
@@ -145,43 +124,23 @@ class CheckpointCoordinator:
         """What a cancelled save's commit set going (`_follow`) has ended and, if `every`
         (a save or load), every storage call a cancelled save or load left running; then a
         commit whose follow-up was cut off has it (follow_ups.py)."""
-        loop = asyncio.get_running_loop()
-        if self._last_loop is not loop:  # the first look in this loop: any call running now
-            persists = self.tier.in_flight if self.tier is not None else []
-            _refuse_open_elsewhere([*self._running, *self._follow_ups.tasks, *persists])
-            self._orphans = self._orphans or (  # is an earlier loop's (its persist's, say:
-                self._last_loop is not None and self._calls.busy > 0  # review 14, claim 1)
-            )
-            self._last_loop = loop
+        self._storage.look(self._elsewhere)
         reaped = self.tier is not None and self.tier.reap_closed()
         if self._follow_ups.reap_closed() or reaped:
-            self._orphans = True
+            self._storage.orphans = True
         while pending := (self._running if every else self._follow_ups.tasks):
             await asyncio.wait(set(pending))
-        if self._orphans:  # a closed loop's storage call may still run: what it leaves (a
-            await self._await_orphans()  # COMMIT, say) must be there before anyone looks
+        # A closed loop's storage call may still run: what it leaves (a COMMIT, say) must be
+        # there before anyone looks.
+        await self._storage.await_orphans()
         if self.tier is not None:
             await self.tier.unpin_reaped()
         await self._follow_ups.run_owed(decide)
 
-    async def _await_orphans(self) -> None:
-        """Until no storage call of this coordinator runs (review 12, claim 2: a commit's
-        thread of a loop closed without asyncio.run() landed after the next loop's load had
-        decided it had not, and a later save of that number was told "committed"). Looked at
-        every ORPHAN_POLL_S on the loop's clock, not waited for in a thread: in the
-        simulation the calls run on the loop's own thread, and a blocked wait would stop them."""
-        bound = self.config.save_timeout_s
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + bound
-        while self._calls.busy and loop.time() < deadline:
-            await asyncio.sleep(ORPHAN_POLL_S)
-        if self._calls.busy:
-            raise CheckpointError(
-                f"a storage call of an event loop that was shut down still runs after "
-                f"{bound:g} s (save_timeout_s); what it leaves cannot be read yet: retry once "
-                "it ends"
-            )
-        self._orphans = False
+    def _elsewhere(self) -> list[asyncio.Future]:
+        """What else of this coordinator may be under way in an event loop of its own."""
+        persists = self.tier.in_flight if self.tier is not None else []
+        return [*self._follow_ups.tasks, *persists]
 
     async def _quiesce(self, decide: bool = False) -> None:
         """Before a save or a load: the storage calls of a cancelled one have ended, and a
@@ -496,7 +455,7 @@ class CheckpointCoordinator:
         folder unless `persisting=False`); raises an error if one failed (never dropped)."""
         pending, result, cut = self._pending, None, False
         failure: Exception | None = None
-        _refuse_open_elsewhere([pending] if pending is not None else [])
+        refuse_open_elsewhere([pending] if pending is not None else [])
         if pending is not None and not pending.done() and pending.get_loop().is_closed():
             failure, cut = self._cut_off_error(), True  # its loop closed under it (review 10, F)
         elif pending is not None:
@@ -588,7 +547,7 @@ class CheckpointCoordinator:
             # Every call this coordinator waits for has ended, and the persists are settled:
             # a call still running was cut off from its caller (a persist's COMMIT whose task
             # was cancelled, review 14 claim 1). The load waits for it before it looks.
-            self._orphans = self._orphans or self._calls.busy > 0
+            self._storage.suspect_running()
             await self._quiesce(decide=True)
             self._timeline.forget()
             if self.tier is not None:
@@ -694,42 +653,12 @@ class CheckpointCoordinator:
             self.close()
 
 
-ORPHAN_POLL_S = 0.02  # how often a look waits for the calls an earlier loop left running
-
-
-def _refuse_open_elsewhere(futures: list[asyncio.Future]) -> None:
-    """Work of this coordinator under way in another event loop that is still open (left
-    idle, not closed) can end only in that loop: waiting for it here would wait forever
-    (review 15, claim 3). A closed loop's is dropped instead (`reap_closed`)."""
-    here = asyncio.get_running_loop()
-    for fut in futures:
-        loop = fut.get_loop()
-        if loop is not here and not loop.is_closed() and not fut.done():
-            raise CheckpointError(
-                f"this CheckpointCoordinator has work under way in another event loop that is "
-                f"still open ({loop!r}); run that loop until it ends, or close it, before using "
-                "the coordinator from this one (asyncio.run() does both)"
-            )
-
-
 def _log_background_failure(task: asyncio.Task) -> None:
     if not task.cancelled() and task.exception() is not None:
         log.error(
             "background save failed (raised again by the next save() or wait()): %s",
             task.exception(),
         )
-
-
-def _forget_call(running: set[asyncio.Future]) -> Callable[[asyncio.Future], None]:
-    """A finished storage call leaves `running`; its error, if nobody awaits it any more
-    (its caller was cancelled), is retrieved so that asyncio does not report it."""
-
-    def done(call: asyncio.Future) -> None:
-        running.discard(call)
-        if not call.cancelled():
-            call.exception()
-
-    return done
 
 
 def _cancelling() -> bool:
