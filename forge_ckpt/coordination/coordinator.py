@@ -37,7 +37,7 @@ from .loader import Loader
 from .remote_errors import describe, save_error
 from .results import LoadResult, SaveResult
 from .runtime import DEFAULT, Runtime
-from .storage_calls import StorageCalls, refuse_open_elsewhere
+from .storage_calls import StorageCalls, refuse_loop, refuse_open_elsewhere
 from .timeline import Timeline
 
 log = logging.getLogger("forge_ckpt")
@@ -114,9 +114,13 @@ class CheckpointCoordinator:
 
     def _op(self) -> asyncio.Lock:
         """One save or load at a time (a load changes the branch a save acts on). One lock per
-        event loop: a coordinator may serve several `asyncio.run()` calls in turn."""
+        event loop: a coordinator may serve several `asyncio.run()` calls in turn; a save or
+        load still under way in another loop that is open (left idle mid-save) is refused:
+        resumed later, its commit would land over this loop's (review 16)."""
         loop = asyncio.get_running_loop()
         if self._op_lock is None or self._op_lock[0] is not loop:
+            if self._op_lock is not None and self._op_lock[1].locked():
+                refuse_loop(self._op_lock[0])
             self._op_lock = (loop, asyncio.Lock())
         return self._op_lock[1]
 

@@ -45,15 +45,18 @@ class StorageCalls:
     async def io(self, fn: Callable[..., Any], *args: Any) -> Any:
         """`fn(*args)` off the event loop, under the lease; the next save or load waits for
         it if its caller is cancelled meanwhile."""
-        call = asyncio.ensure_future(self._to_thread(self.leased.submit(fn, *args)))
+        call = asyncio.ensure_future(self.background(fn, *args))
         self.running.add(call)
         call.add_done_callback(self._ended)
         return await asyncio.shield(call)
 
     async def background(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """A persist's call: under the lease but not in `running`: the persist runs beside the
-        saves (a load settles it first), and a save must not wait out its calls (each up to
-        the S3 call bound)."""
+        """`fn(*args)` off the event loop, under the lease, counted from the step that hands
+        it to a thread: a call whose task never started (its loop closed first) is never
+        counted (review 16: it kept the count up, and every later look waited it out). A
+        persist's calls come here directly: not in `running`, since the persist runs beside
+        the saves (a load settles it first), and a save must not wait out its calls (each
+        up to the S3 call bound)."""
         return await self._to_thread(self.leased.submit(fn, *args))
 
     def _ended(self, call: asyncio.Future) -> None:
@@ -106,12 +109,16 @@ def refuse_open_elsewhere(futures: list[asyncio.Future]) -> None:
     """Work of this coordinator under way in another event loop that is still open (left
     idle, not closed) can end only in that loop: waiting for it here would wait forever
     (review 15, claim 3). A closed loop's is dropped instead (`reap_closed`)."""
-    here = asyncio.get_running_loop()
     for fut in futures:
-        loop = fut.get_loop()
-        if loop is not here and not loop.is_closed() and not fut.done():
-            raise CheckpointError(
-                f"this CheckpointCoordinator has work under way in another event loop that is "
-                f"still open ({loop!r}); run that loop until it ends, or close it, before using "
-                "the coordinator from this one (asyncio.run() does both)"
-            )
+        if not fut.done():
+            refuse_loop(fut.get_loop())
+
+
+def refuse_loop(loop: asyncio.AbstractEventLoop) -> None:
+    """Refuse to go on beside work under way in `loop`, if it is another loop, still open."""
+    if loop is not asyncio.get_running_loop() and not loop.is_closed():
+        raise CheckpointError(
+            f"this CheckpointCoordinator has work under way in another event loop that is "
+            f"still open ({loop!r}); run that loop until it ends, or close it, before using "
+            "the coordinator from this one (asyncio.run() does both)"
+        )
