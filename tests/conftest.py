@@ -8,6 +8,11 @@ import os
 # 127.0.0.1 instead of the machine's network interface.
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+# Ray starts its worker processes at nice 15: beside a nice-0 CPU load (another tenant, or
+# `make test-under-load`'s burners) each got about a thirtieth of a core, and a fresh actor's
+# first answer (its torch import) took minutes. The tests' Ray workers run at the priority of
+# everything else, as Ray's own job manager starts drivers (RAY_worker_niceness=0).
+os.environ.setdefault("RAY_worker_niceness", "0")
 
 import pytest  # noqa: E402
 

@@ -25,6 +25,8 @@ from forge_ckpt import (
 )
 from forge_ckpt.steps import layout
 
+HANG_S = 300.0  # a hang's bound, never a speed's
+
 
 @ray.remote
 class Sampler(Checkpointable):
@@ -58,9 +60,11 @@ class Sampler(Checkpointable):
         if self.fail == "raise":
             self.fail = None
             raise ValueError("replay index out of range")
-        if self.fail == "hang":
-            self.fail = None
-            time.sleep(6)
+        if self.fail is not None and self.fail.startswith("hang:"):
+            hold, self.fail = self.fail.removeprefix("hang:"), None
+            deadline = time.monotonic() + HANG_S
+            while os.path.exists(hold) and time.monotonic() < deadline:
+                time.sleep(0.01)  # hangs until the test removes `hold`
         return {"history": list(self.history), "table": self.table}
 
     def load_state_dict(self, state):
@@ -211,16 +215,27 @@ async def test_dead_actor_names_it_and_replacement_works(ray_local, tmp_path):
 
 
 async def test_hanging_actor_times_out(ray_local, tmp_path):
-    coord, samplers, stats = await build(config(tmp_path, save_timeout_s=2))
-    await run_steps(samplers, stats, 1)  # actors are up: only the hang can time out
+    """A snapshot that hangs fails the save at `save_timeout_s`, naming the actor; the actor,
+    woken later, finds no folder for its late write, and the next save commits. The hang is
+    held on a file, so only it can time out (no other component, whatever the load)."""
+    cfg = config(tmp_path, save_timeout_s=HANG_S)
+    sampler = Sampler.remote(1)
+    coord = CheckpointCoordinator(cfg)
+    coord.register("sampler", sampler)
+    await sampler.step.remote()
     await coord.save(1)
-    await samplers[0].set_fail.remote("hang")
-    t0 = time.perf_counter()
+    hold = str(tmp_path / "hold")
+    open(hold, "w").close()  # noqa: SIM115
+    await sampler.set_fail.remote(f"hang:{hold}")
+    cfg.save_timeout_s = 2  # the hang outlasts it whatever the machine's speed
     with pytest.raises(CheckpointSaveError, match="actor 'sampler' replica 0: TimeoutError"):
         await coord.save(2)
-    assert time.perf_counter() - t0 < 5
+    assert os.path.exists(hold)  # the timeout ended the save, not the hang
     assert coord.steps() == [1]
-    await asyncio.sleep(4.5)  # the actor wakes up; its late write finds no folder to write into
+    cfg.save_timeout_s = HANG_S
+    os.remove(hold)
+    await sampler.set_fail.remote(None)  # runs after the woken call's late write
+    assert not os.path.exists(tmp_path / "ckpt" / "step-2")  # it found no folder
     assert (await coord.save(3)).committed and coord.steps() == [1, 3]
     coord.close()
 

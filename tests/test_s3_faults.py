@@ -57,13 +57,16 @@ def proxied(s3_folder):
         yield proxy, s3_folder.url, options
 
 
+HANG_S = 300.0  # a hang's bound, never a speed's
+
+
 def test_endpoint_down_at_start(proxied):
     proxy, url, options = proxied
     proxy.down()
     t0 = time.perf_counter()
     with pytest.raises(CheckpointError, match="cannot reach the S3 endpoint"):
         CheckpointCoordinator(cfg(url, options))
-    assert time.perf_counter() - t0 < 30  # bounded by retries and timeouts, no hang
+    assert time.perf_counter() - t0 < HANG_S  # bounded by retries and timeouts: no hang
 
 
 async def test_endpoint_down_before_and_during_a_save(ray_local, proxied):
