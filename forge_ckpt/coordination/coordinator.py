@@ -128,7 +128,7 @@ class CheckpointCoordinator:
         """What a cancelled save's commit set going (`_follow`) has ended and, if `every`
         (a save or load), every storage call a cancelled save or load left running; then a
         commit whose follow-up was cut off has it (follow_ups.py)."""
-        self._storage.look(self._elsewhere)
+        self._storage.look(self._elsewhere())
         reaped = self.tier is not None and self.tier.reap_closed()
         if self._follow_ups.reap_closed() or reaped:
             self._storage.orphans = True

@@ -44,7 +44,7 @@ class LeasedCalls:
         if self.closing:
             raise CheckpointError("this CheckpointCoordinator is closed")
 
-    def submit(self, fn: Callable[..., Any], *args: Any) -> Callable[[], Any]:
+    def submit(self, fn: Callable[..., Any], *args: Any) -> _Call:
         """`fn(*args)` as a call to hand to a thread, counted as running from now: a call
         queued behind busy executor workers when its event loop was closed (nothing
         cancelled) runs later, and the next loop must wait for it as for one that runs
@@ -97,23 +97,33 @@ class LeasedCalls:
 
 class _Call:
     """One submitted call: counted until it ends, or until it is dropped without running
-    (a queued executor item that was cancelled is discarded, and this with it)."""
+    (`drop`: its caller was cancelled before a thread took it; or the object is freed, as a
+    queued executor item that was cancelled is discarded)."""
 
-    __slots__ = ("_calls", "_fn", "_args", "_started")
+    __slots__ = ("_calls", "_fn", "_args", "_phase")
 
     def __init__(self, calls: LeasedCalls, fn: Callable[..., Any], args: tuple) -> None:
-        self._calls, self._fn, self._args, self._started = calls, fn, args, False
+        self._calls, self._fn, self._args, self._phase = calls, fn, args, "queued"
 
     def __call__(self) -> Any:
-        if self._started:
-            raise RuntimeError("a leased call runs once")
-        self._started = True
+        with self._calls._state:
+            if self._phase != "queued":  # dropped: its caller is gone, nothing waits for it
+                raise CheckpointError("a storage call dropped before it ran")
+            self._phase = "running"
         try:
             return self._calls._under_lease(self._fn, self._args)
         finally:
             self._calls._end()
 
-    def __del__(self) -> None:
-        if not self._started:
-            self._started = True
+    def drop(self) -> None:
+        """Stop counting a call that no thread has started (and never will); a running one
+        ends its count itself. (review 17: the cancelled task of a queued call kept this
+        object alive through its exception's traceback, and the count with it.)"""
+        with self._calls._state:
+            dropped, self._phase = self._phase == "queued", "dropped"
+        if dropped:
             self._calls._end()
+
+    def __del__(self) -> None:
+        if self._phase == "queued":
+            self.drop()

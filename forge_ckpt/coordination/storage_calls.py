@@ -57,7 +57,12 @@ class StorageCalls:
         persist's calls come here directly: not in `running`, since the persist runs beside
         the saves (a load settles it first), and a save must not wait out its calls (each
         up to the S3 call bound)."""
-        return await self._to_thread(self.leased.submit(fn, *args))
+        call = self.leased.submit(fn, *args)
+        try:
+            return await self._to_thread(call)
+        except asyncio.CancelledError:  # (a thread may have it already: then it runs on)
+            call.drop()
+            raise
 
     def _ended(self, call: asyncio.Future) -> None:
         """A finished call leaves `running`; its error, if nobody awaits it any more, is
@@ -69,16 +74,16 @@ class StorageCalls:
         else:
             call.exception()
 
-    def look(self, elsewhere: Callable[[], list[asyncio.Future]]) -> None:
-        """Before a save or load looks: in a loop other than the last one, work of another
-        loop that is still open is refused, and a call running now is an earlier loop's (a
+    def look(self, elsewhere: list[asyncio.Future]) -> None:
+        """Before a save or load looks: work of another loop that is still open is refused
+        (at every look: that loop may have started it since this loop's last one, review
+        17); in a loop other than the last one, a call running now is an earlier loop's (a
         persist's COMMIT whose task that loop cancelled: review 14, claim 1)."""
+        refuse_open_elsewhere([*self.running, *elsewhere])
         loop = asyncio.get_running_loop()
-        if self._last_loop is loop:
-            return
-        refuse_open_elsewhere([*self.running, *elsewhere()])
-        self.orphans = self.orphans or (self._last_loop is not None and self.leased.busy > 0)
-        self._last_loop = loop
+        if self._last_loop is not loop:
+            self.orphans = self.orphans or (self._last_loop is not None and self.leased.busy > 0)
+            self._last_loop = loop
 
     def suspect_running(self) -> None:
         """Every call the caller waits for has ended: one still running was cut off from its
@@ -109,8 +114,9 @@ def refuse_open_elsewhere(futures: list[asyncio.Future]) -> None:
     """Work of this coordinator under way in another event loop that is still open (left
     idle, not closed) can end only in that loop: waiting for it here would wait forever
     (review 15, claim 3). A closed loop's is dropped instead (`reap_closed`)."""
+    here = asyncio.get_running_loop()
     for fut in futures:
-        if not fut.done():
+        if fut.get_loop() is not here and not fut.done():
             refuse_loop(fut.get_loop())
 
 
