@@ -3,7 +3,7 @@
 `held://<folder>` is a LocalStorage whose calls first consult RULES: a call can be held on a
 threading.Event until the test lets it go, or fail (EIO, before it applies). A rule matches
 an operation and the suffix of the call's full path (actors open the step folder itself, so
-a relative path would not say which step). Clock is a wall clock a test moves by hand (the
+a relative path would not say which step), an actor file named without its save attempt. Clock is a wall clock a test moves by hand (the
 lease's expiry); Handle runs a local object's methods in threads, as Ray actors run
 concurrently. Tests use the `held_rules` fixture, which clears the rules and lets every hold
 go at the end, so a failed test never leaves a storage thread waiting."""
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import re
 import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -51,13 +52,19 @@ def _wrap(name: str) -> Any:
     def method(self: HeldFS, path: str = "", *args: Any, **kw: Any) -> Any:
         full = self._p(path)
         for op, suffix, action in list(RULES):
-            if op == name and full.endswith(suffix):
+            if op == name and without_attempt(full).endswith(suffix):
                 action(full)
         if name in _MUTATING:
             LOG.append((name, path))
         return base(self, path, *args, **kw)
 
     return method
+
+
+def without_attempt(path: str) -> str:
+    """`path` with an actor file's save attempt taken out of its name (layout.actor_file): a
+    rule names `actors/c0.0.msgpack` for the file of whichever attempt."""
+    return re.sub(r"\.g\d+s\d+\.msgpack$", ".msgpack", path)
 
 
 for _name in (*_MUTATING, "read", "makedirs"):

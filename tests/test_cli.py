@@ -23,6 +23,7 @@ from forge_ckpt.tools.progress import progress
 from forge_ckpt.tools.report import SCHEMA_VERSION, dumps
 
 sys.path.insert(0, os.path.dirname(__file__))
+from _paths import actor_path  # noqa: E402
 from crash_actors import Sampler, make_trainer_ranks  # noqa: E402
 
 
@@ -65,7 +66,7 @@ def test_inspect_shows_shapes_and_dtypes(folder):
     assert "fingerprint abc123" in out.output and "'policy_version': 2" in out.output
     assert "0.weight: tensor(float32, [32, 16])" in out.output  # from DCP's .metadata
     assert "ndarray(float32, [100000])" in out.output  # from the actor file
-    assert "actors/sampler.0.msgpack" in out.output
+    assert actor_path(folder, 2, "sampler") in out.output
 
 
 def test_verify_ok_and_uncommitted(folder):
@@ -88,7 +89,7 @@ def test_json_list_inspect_verify(folder, tmp_path):
     assert body["extra"] == {"policy_version": 2} and body["fingerprint"] == "abc123"
     files = {f["path"]: f for c in body["components"].values() for f in c["files"]}
     assert files[".metadata"]["contents"]["0.weight"] == {"dtype": "float32", "shape": [32, 16]}
-    assert "ndarray(float32, [100000])" in json.dumps(files["actors/sampler.0.msgpack"])
+    assert "ndarray(float32, [100000])" in json.dumps(files[actor_path(folder, 2, "sampler")])
 
     res = run("verify", layout.step_dir(folder, 1), "--json")
     body = json.loads(res.stdout)
@@ -99,12 +100,13 @@ def test_json_list_inspect_verify(folder, tmp_path):
 
     copy = tmp_path / "ckpt"
     shutil.copytree(layout.step_dir(folder, 1), copy / "step-1")
-    with open(copy / "step-1" / "actors" / "sampler.0.msgpack", "r+b") as f:
+    rel = actor_path(folder, 1, "sampler")
+    with open(copy / "step-1" / rel, "r+b") as f:
         f.seek(-8, os.SEEK_END)
         f.write(b"xxxxxxxx")
     res = run("verify", str(copy / "step-1"), "--json")
     bad = [f for f in json.loads(res.stdout)["files"] if not f["ok"]]
-    assert res.exit_code == 1 and [f["path"] for f in bad] == ["actors/sampler.0.msgpack"]
+    assert res.exit_code == 1 and [f["path"] for f in bad] == [rel]
     assert "crc32c" in bad[0]["problem"]
 
 

@@ -17,6 +17,7 @@ from forge_ckpt.cli import app
 from forge_ckpt.steps import layout
 
 sys.path.insert(0, os.path.dirname(__file__))
+from _paths import actor_path  # noqa: E402
 from crash_actors import Sampler, make_trainer_ranks  # noqa: E402
 
 FILES = [".metadata", "__0_0.distcp", "actors/sampler.0.msgpack", "manifest.json", "COMMIT"]
@@ -76,6 +77,8 @@ def test_damage_is_detected_and_named(pristine, tmp_path, name, how, caplog):
     folder = str(tmp_path / "ckpt")
     shutil.copytree(src, folder)
     step2 = layout.step_dir(folder, 2)
+    if name.startswith("actors/"):  # (named for the save attempt that wrote it)
+        name = actor_path(folder, 2, "sampler")
     damage(os.path.join(step2, name), how)
     before = asyncio.run(_snapshot(fresh))
 

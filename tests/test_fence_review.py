@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
 import threading
 from typing import Any
 
@@ -429,8 +430,7 @@ async def test_a_stale_preparation_learns_it_lost_the_lease_before_its_actors_wr
     failed its save as "another writer" (I7; sim seeds 28030 and 52652, past the budget, on
     the code of the time; the simulation's revert `stale-prepare`). Invariant: the stale job
     learns it lost the lease before its actors write; the successor's step 2 commits. (A
-    write already sent when the lease runs out still lands late: review 13, claim 4, the
-    case docs/protocol.md rule 9 leaves open.)"""
+    write already sent when the lease runs out still lands late: the next test.)"""
     clock = Clock()
     a = job(tmp_path, clock, "host-a", lease_ttl_s=60.0, keep_last=None)
     a.register("c0", Handle(Comp(101)))
@@ -456,5 +456,48 @@ async def test_a_stale_preparation_learns_it_lost_the_lease_before_its_actors_wr
         assert got is not None and comp.version == 202
     finally:
         stalled.go.set()
+        if b is not None:
+            b.close()
+
+
+async def test_a_late_actor_write_sent_under_the_lease_lands_beside_the_successors_step(
+    tmp_path,
+):
+    """Review 13, claim 4 (and sim seed 13918): an actor's write of step 2, sent while its job
+    held the lease (after the preparation's re-check), lands after a successor took the
+    folder over and prepared its own step 2. Invariant (I7, I3): the late write cannot break
+    the successor's save. Each save attempt's files are named for it (layout.actor_file), so
+    the late file lands beside the successor's, outside its manifest; with one name for
+    both, the successor's create-only write met it and its save failed once."""
+    clock = Clock()
+    a = job(tmp_path, clock, "host-a", lease_ttl_s=60.0, keep_last=None)
+    a.register("c0", Handle(Comp(101)))
+    assert (await a.save(1)).committed
+    a_write = hold("writer", "step-2/actors/c0.0.msgpack")
+    a_save = asyncio.ensure_future(a.save(2))
+    b = None
+    try:
+        await a_write.reached()  # sent under the lease, held in flight
+        clock.t += 90.0  # meanwhile A's lease runs out
+        b = job(tmp_path, clock, "host-b", lease_ttl_s=60.0, keep_last=None)
+        b.register("c0", Handle(comp := Comp(202)))
+        b_write = hold("writer", "step-2/actors/c0.0.msgpack")
+        b_save = asyncio.ensure_future(b.save(2))
+        await b_write.reached()  # B prepared its step 2; its file is about to be created
+        a_write.go.set()  # A's late write lands in B's step 2
+        with pytest.raises(CheckpointError, match="lease"):
+            await a_save
+        b_write.go.set()
+        assert (await b_save).committed
+        names = sorted(os.listdir(tmp_path / "step-2" / "actors"))
+        assert len(names) == 2  # A's late file beside B's, which alone the manifest lists
+        assert [f.path for f in layout.read_committed(str(tmp_path), 2).files] == [
+            f"actors/{n}" for n in names if n.split(".")[-2].startswith(f"g{b._lease.generation}s")
+        ]
+        comp.version = 0
+        got = await b.load(step=2)
+        assert got is not None and comp.version == 202
+    finally:
+        a_write.go.set()
         if b is not None:
             b.close()

@@ -33,11 +33,10 @@ STARTS = [([], "random"), (["policy.replicas=3"], "during_save")]
 def check_weights_stored_once(folder: str, step: int, lag: int = 1) -> None:
     """The generators hold versions step-lag .. step: the trainer's (step) is a reference in
     every file, an older one is tensors in replica 0's file and a reference in the others'."""
-    for j in range(8):
-        path = os.path.join(layout.step_dir(folder, step), layout.actor_file("generators", j))
-        if not os.path.exists(path):
-            break
-        held = serialization.load(path)["state"]["weights"]
+    comp = layout.read_committed(folder, step).components["generators"]
+    for j, rec in sorted(layout.replica_files(comp, "generators").items()):
+        held = serialization.load(os.path.join(layout.step_dir(folder, step), rec.path))
+        held = held["state"]["weights"]
         assert held[str(step)] == {"ref": "trainer", "version": step}
         for v in range(max(0, step - lag), step):
             assert is_ref(held[str(v)]) == (j > 0), (j, v, held[str(v)])

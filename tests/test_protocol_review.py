@@ -28,6 +28,7 @@ from _held_storage import (
     held_rules,  # noqa: F401 (a fixture)
     hold,
     job,
+    without_attempt,
 )
 
 from forge_ckpt import CheckpointConfig, CheckpointCoordinator
@@ -124,7 +125,11 @@ SCHEMES["helds3://"] = HeldS3
 def _s3_gate(op: str, key: str, mutates: bool) -> str:
     """Holds the stale job's actor PUT of step 1 (the first one only)."""
     held: Hold = S3["held"]
-    if op == "put_object" and key.endswith("step-1/actors/c0.0.msgpack") and _in_zombie():
+    if (
+        op == "put_object"
+        and without_attempt(key).endswith("step-1/actors/c0.0.msgpack")
+        and _in_zombie()
+    ):
         if not held.entered.is_set():
             held.entered.set()
             assert held.go.wait(WAIT_S), "the held PUT was never let go"

@@ -22,6 +22,7 @@ from _held_storage import WAIT_S, Clock, Comp, Handle, held_rules, job  # noqa: 
 from forge_ckpt.errors import CheckpointError
 
 
+@pytest.mark.filterwarnings("ignore:coroutine .* was never awaited")  # (its task never ran)
 def test_a_call_whose_task_never_started_is_not_counted(tmp_path, held_rules):  # noqa: F811
     a = job(tmp_path, Clock(), "host-a", keep_last=10, save_timeout_s=WAIT_S)
     comp = Comp(1)

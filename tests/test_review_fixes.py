@@ -25,6 +25,7 @@ from forge_ckpt.steps import layout
 
 sys.path.insert(0, os.path.dirname(__file__))
 import _trainer_model  # noqa: E402
+from _paths import actor_path  # noqa: E402
 from test_coordinator import Sampler, Stats, build, config, run_steps  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -45,12 +46,15 @@ async def test_failed_async_save_does_not_wedge_the_trainer(rank_cls, tmp_path):
     coord.register("sampler", sampler)
     await coord.save(1)
     await coord.wait()
-    coord.config.save_timeout_s = 3  # the "hang" below lasts 6 s
-    for mode in ("raise", "hang"):  # the actor fails while the trainer writes in the background
+    coord.config.save_timeout_s = 3  # the hang below lasts until the save has failed
+    hold = str(tmp_path / "hold")
+    open(hold, "w").close()  # noqa: SIM115
+    for mode in ("raise", f"hang:{hold}"):  # the actor fails while the trainer writes
         await sampler.set_fail.remote(mode)
         with pytest.raises(CheckpointSaveError, match="actor 'sampler' replica 0"):
             await coord.save(2)
             await coord.wait()
+    os.remove(hold)  # the hang ends
     await sampler.get.remote()  # queued behind the hanging call: answers once it has ended
     coord.config.save_timeout_s = 120  # a busy machine must not turn the death into a timeout
     ray.kill(sampler)  # and an actor that dies while the trainer writes in the background
@@ -98,7 +102,7 @@ async def test_corrupt_step_passed_over_is_replaced(ray_local, tmp_path):
         await run_steps(samplers, stats, 1)
         await coord.save(step)
     coord.close()
-    victim = os.path.join(layout.step_dir(cfg.folder, 2), "actors", "sampler.0.msgpack")
+    victim = os.path.join(layout.step_dir(cfg.folder, 2), actor_path(cfg.folder, 2, "sampler"))
     with open(victim, "r+b") as f:
         f.seek(100)
         f.write(b"\xff")

@@ -35,6 +35,7 @@ from forge_ckpt.storage import crc32c_of_bytes
 
 sys.path.insert(0, os.path.dirname(__file__))
 import _trainer_model  # noqa: E402
+from _paths import actor_path  # noqa: E402
 from test_coordinator import Sampler  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -48,24 +49,27 @@ class Payload:
         return (os.system, (f"touch {self.canary}",))
 
 
-def poison(folder: str, step: int, relpath: str, canary: str) -> None:
-    """Replace one file with a code-running pickle and make manifest and marker match it."""
+def poison(folder: str, step: int, relpath: str, canary: str) -> str:
+    """Replace one file with a code-running pickle and make manifest and marker match it
+    (`relpath` names an actor file without its save attempt); returns the file's path."""
     step_dir = layout.step_dir(folder, step)
     data = pickle.dumps(Payload(canary))
-    with open(os.path.join(step_dir, relpath), "wb") as f:
-        f.write(data)
     with open(os.path.join(step_dir, layout.MANIFEST)) as f:
         manifest = json.load(f)
     for comp in manifest["components"].values():
         for rec in comp["files"]:
-            if rec["path"] == relpath:
+            if layout.logical_path(rec["path"]) == relpath:
+                relpath = rec["path"]
                 rec.update(size=len(data), crc32c=crc32c_of_bytes(data))
                 rec.pop("digest", None)
+    with open(os.path.join(step_dir, relpath), "wb") as f:
+        f.write(data)
     raw = json.dumps(manifest).encode()
     with open(os.path.join(step_dir, layout.MANIFEST), "wb") as f:
         f.write(raw)
     with open(os.path.join(step_dir, layout.MARKER), "wb") as f:
         f.write(layout.marker_bytes(step, crc32c_of_bytes(raw), manifest.get("generation", 0)))
+    return relpath
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +99,7 @@ def test_poisoned_files_never_run_and_are_reported(job, tmp_path, victim):
     coord = saved(job, folder)
     asyncio.run(coord.save(1))
     coord.close()
-    poison(folder, 1, victim, canary)
+    victim = poison(folder, 1, victim, canary)
 
     coord = saved(job, folder)
     with pytest.raises(CheckpointCorruptError, match=os.path.basename(victim)):
@@ -205,6 +209,8 @@ def test_a_signed_step_is_verified_even_with_verify_on_load_off(job, tmp_path, v
     coord = saved(job, folder, signing_key="k1")
     asyncio.run(coord.save(1))
     coord.close()
+    if victim.startswith("actors/"):  # (named for the save attempt that wrote it)
+        victim = actor_path(folder, 1, "sampler")
     path = os.path.join(layout.step_dir(folder, 1), victim)
     flip_byte(path, os.path.getsize(path) - 8)  # tensor bytes: it would decode and load
     coord = saved(job, folder, signing_key="k1", verify_on_load=False)

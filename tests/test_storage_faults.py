@@ -18,6 +18,7 @@ import asyncio
 import errno
 import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -349,8 +350,10 @@ async def test_folder_turns_read_only_during_save(actors, disk, caplog):
         with pytest.raises(CheckpointSaveError) as e:
             await save
     failed = failures(e.value, 2, 1)
-    big_file = os.path.join(step2, layout.actor_file("big", 0))
-    assert failed["actor 'big' replica 0"] == f"OSError: {EROFS}: '{big_file}'"
+    big_file = re.escape(os.path.join(step2, "actors", "big.0.")) + r"g\d+s\d+\.msgpack"
+    assert re.fullmatch(
+        f"OSError: {re.escape(EROFS)}: '{big_file}'", failed["actor 'big' replica 0"]
+    )
     assert all(EROFS in cause for cause in failed.values()), failed  # the trainer, if it was late
     assert f"could not remove aborted step {step2}" in caplog.text
     assert "it is not committed and will be removed at the next start" in caplog.text

@@ -127,10 +127,8 @@ def in_flight_saved(folder: str, step: int) -> list[tuple[int, int, int, int]]:
     """(replica, seq, k, tokens so far) of every unfinished request that committed step
     `step` of the local `folder` holds (the files of the component "generators")."""
     out = []
-    for j in range(1 << 10):
-        path = os.path.join(layout.step_dir(folder, step), layout.actor_file("generators", j))
-        if not os.path.exists(path):
-            break
-        state = serialization.load(path)["state"]
+    comp = layout.read_committed(folder, step).components["generators"]
+    for j, rec in sorted(layout.replica_files(comp, "generators").items()):
+        state = serialization.load(os.path.join(layout.step_dir(folder, step), rec.path))["state"]
         out += [(j, int(r["seq"]), int(r["k"]), len(r["out"])) for r in state["active"]]
     return out

@@ -52,16 +52,24 @@ class Unit(ABC):
     name: str  # component name; "trainer" for trainer ranks
     index: int  # replica index or rank
     handle: Any
-    relpath: str  # the actor's file; "" for trainer ranks (they name their own files)
+    relpath: str  # the actor's file, as an earlier release named it; "" for trainer ranks
     label: str = ""
 
+    def save_path(self, attempt: str | None) -> str:
+        """The file this unit writes in save attempt `attempt` (layout.actor_file); "" for a
+        trainer rank, which names its own files."""
+        return layout.actor_file(self.name, self.index, attempt) if self.relpath else ""
+
     @abstractmethod
-    def begin(self, where: StorageSpec, background: bool, defer: bool = False) -> Awaitable[int]:
+    def begin(
+        self, where: StorageSpec, background: bool, defer: bool = False, attempt: str | None = None
+    ) -> Awaitable[int]:
         """Submit the snapshot call now (Ray runs an actor's calls from this driver in the
         order submitted, so whatever the driver sends the actor later runs after the cut);
         awaiting the result gives the snapshot's size once taken and its write started (or,
         unless `background`, finished). `defer`: a trainer rank copies its state in the
-        background and its next optimizer step waits for that copy (the stall-free cut)."""
+        background and its next optimizer step waits for that copy (the stall-free cut).
+        `attempt`: the save attempt, which names the files it writes."""
 
     @abstractmethod
     async def status(self) -> list[FileRecord] | None:
@@ -92,11 +100,12 @@ class RemoteUnit(Unit):
 
     _files: list[FileRecord] | None = None  # reported by a synchronous begin
 
-    def begin(self, where: StorageSpec, background: bool, defer: bool = False) -> Awaitable[int]:
+    def begin(
+        self, where: StorageSpec, background: bool, defer: bool = False, attempt: str | None = None
+    ) -> Awaitable[int]:
         self._files = None
-        return self._begun(
-            self.handle.forge_begin_save.remote(where, self.relpath, background, defer)
-        )
+        path = self.save_path(attempt)
+        return self._begun(self.handle.forge_begin_save.remote(where, path, background, defer))
 
     async def _begun(self, ref: Any) -> int:
         res = await ref
@@ -138,22 +147,28 @@ class PlainUnit(Unit):
     _write: asyncio.Task | None = None
     _staged: Any = None
 
-    def begin(self, where: StorageSpec, background: bool, defer: bool = False) -> Awaitable[int]:
-        return self._begun(self.handle.state_dict.remote(), where, background)
+    def begin(
+        self, where: StorageSpec, background: bool, defer: bool = False, attempt: str | None = None
+    ) -> Awaitable[int]:
+        return self._begun(self.handle.state_dict.remote(), where, background, attempt)
 
-    async def _begun(self, ref: Any, where: StorageSpec, background: bool) -> int:
+    async def _begun(
+        self, ref: Any, where: StorageSpec, background: bool, attempt: str | None
+    ) -> int:
         state = await ref
         # The object arrived through Ray: it is already a private copy, no snapshot copy needed.
         snap = serialization.snapshot(wrap_state(state), name=self.name, copy=False)
-        self._write = asyncio.create_task(asyncio.to_thread(self._persist, snap, where))
+        path = self.save_path(attempt)
+        self._write = asyncio.create_task(asyncio.to_thread(self._persist, snap, where, path))
         if not background:
             await asyncio.shield(self._write)
         return snap.nbytes
 
-    def _persist(self, snap: serialization.Snapshot, where: StorageSpec) -> FileRecord:
+    @staticmethod
+    def _persist(snap: serialization.Snapshot, where: StorageSpec, path: str) -> FileRecord:
         store = open_storage(where)
-        rec = snap.write_to(store, self.relpath)
-        store.sync_dir(posixpath.dirname(self.relpath))
+        rec = snap.write_to(store, path)
+        store.sync_dir(posixpath.dirname(path))
         return rec
 
     async def status(self) -> list[FileRecord] | None:
@@ -242,10 +257,17 @@ class Group:
     async def plan(
         self, saved: layout.Component, exclude: set[str], where: StorageSpec, verify: bool
     ) -> LoadPlan:
-        by_path = {f.path: f for f in saved.files}
+        files = layout.replica_files(saved, self.name)
+        lost = [i for i in range(saved.replicas) if i not in files]
+        if lost:  # a save writes every replica's file: the manifest is not one a save wrote
+            raise CheckpointCorruptError(
+                layout.MANIFEST,
+                f"it records {saved.replicas} replica(s) of {self.name!r} but names no file "
+                f"for replica(s) {lost}",
+            )
         if saved.replicas != len(self.units) and self.rule_name() is not None:
-            return await self._resharded(saved, by_path, where, verify)
-        missing = [u for u in self.units if u.relpath not in by_path]
+            return await self._resharded(saved, files, where, verify)
+        missing = [u for u in self.units if u.index not in files]
         if missing:
             raise CheckpointMismatchError(
                 [
@@ -254,25 +276,24 @@ class Group:
                 ],
                 "register as many replicas as were saved, or declare a resharding rule",
             )
-        return [(u, [by_path[u.relpath]], {}) for u in self.units]
+        return [(u, [files[u.index]], {}) for u in self.units]
 
     async def _resharded(
-        self, saved: layout.Component, by_path: dict, where: StorageSpec, verify: bool
+        self,
+        saved: layout.Component,
+        files: dict[int, FileRecord],
+        where: StorageSpec,
+        verify: bool,
     ) -> LoadPlan:
         """Read and verify the N saved files, let the rule make M states; replica j < N keeps
         the RNG streams of saved replica j, an added one (j >= N) gets streams derived from
         saved replica j mod N's by `rng.derive` (distinct ones; the trainer ranks' rule)."""
-        n = saved.replicas
-        paths = [layout.actor_file(self.name, i) for i in range(n)]
-        for p in paths:
-            if p not in by_path:
-                raise CheckpointCorruptError(
-                    p, f"{self.name}'s replica file is not in the manifest"
-                )
+        n = saved.replicas  # plan() checked that each has its file
         store = open_storage(where)
         load = serialization.load_from
+        recs = [files[i] for i in range(n)]
         saved_data = await asyncio.gather(
-            *(asyncio.to_thread(load, store, p, by_path[p] if verify else None) for p in paths)
+            *(asyncio.to_thread(load, store, r.path, r if verify else None) for r in recs)
         )
         states = await self._run_rule([d["state"] for d in saved_data], n)
         log.warning("%s; resharded by %s", self.changed(saved), self.rule_name())

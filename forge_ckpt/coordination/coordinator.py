@@ -85,6 +85,7 @@ class CheckpointCoordinator:
         self._groups: dict[str, Group] = {}
         self._pending: asyncio.Task | None = None
         self._pending_step = -1  # its step
+        self._attempts = 0  # save attempts so far (they name their files)
         self._op_lock: tuple[Any, asyncio.Lock] | None = None  # (its loop, the lock): _op()
         self._follow_ups = FollowUps(self._committed_follow_up, self._io, self._running,
                                      lambda store, step: self._timeline.committed(store, step))  # fmt: skip
@@ -245,7 +246,9 @@ class CheckpointCoordinator:
             raise save_error(self._newest(), step, lines) from e
         groups = dict(self._groups)  # what this save holds, whatever register() does meanwhile
         units = [u for g in groups.values() for u in g.units]
-        calls = [u.begin(where, background, defer) for u in units]  # submitted: the cut
+        self._attempts += 1  # each attempt's files are its own (layout.actor_file)
+        attempt = layout.attempt_name(self._lease.generation, self._attempts)
+        calls = [u.begin(where, background, defer, attempt) for u in units]  # the cut
         begun = self._snapshots(units, calls, step, store)
         result = SaveResult(step, where.url)
         if not defer:

@@ -6,7 +6,9 @@ One checkpoint folder (a local path or an `s3://bucket/prefix`) holds:
     <folder>/step-<N>/                   one step (TorchTitan's naming, so stock TorchTitan finds it)
         .metadata, __<r>_<k>.distcp      the trainer's DCP files (standard DCP)
         trainer/rank-<r>.msgpack         each trainer rank's RNG streams
-        actors/<name>.<replica>.msgpack  one file per actor replica
+        actors/<name>.<replica>.<attempt>.msgpack
+                                         one file per actor replica, named for the save
+                                         attempt that wrote it (actor_file)
         manifest.json                    every file with size and crc32c, versions, extra
         COMMIT                           the marker: created last; names the manifest's crc32c
     <folder>/quarantine/step-<N>.<time>/ a damaged committed step that `fallback` passed over
@@ -43,7 +45,7 @@ QUARANTINE = "quarantine"
 TRAINER = "trainer"
 ACTORS = "actors"
 _STEP_RE = re.compile(r"^step-(\d+)$")
-_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")  # fullmatch: no trailing "\n"
 
 
 def step_name(step: int) -> str:
@@ -55,9 +57,40 @@ def step_dir(folder: str, step: int) -> str:
     return join(folder, step_name(step))
 
 
-def actor_file(name: str, replica: int) -> str:
-    """Path of one actor replica's file, relative to the step folder."""
-    return f"{ACTORS}/{name}.{replica}.msgpack"
+def actor_file(name: str, replica: int, attempt: str | None = None) -> str:
+    """Path of one actor replica's file, relative to the step folder. `attempt` names the save
+    attempt that writes it (`g<lease generation>s<save number>`): a write of an aborted attempt,
+    or of a job that lost the lease, that lands late lands beside the step's files, never on
+    one of them (docs/protocol.md, rule 9). None: the name a step of an earlier release has."""
+    return f"{ACTORS}/{name}.{replica}{'.' + attempt if attempt else ''}.msgpack"
+
+
+def attempt_name(generation: int, number: int) -> str:
+    return f"g{generation}s{number}"
+
+
+_ACTOR_FILE_RE = re.compile(
+    ACTORS + r"/(?P<name>.+)\.(?P<replica>\d+)(?:\.(?P<attempt>g\d+s\d+))?\.msgpack", re.DOTALL
+)  # fullmatch
+
+
+def replica_files(component: Component, name: str) -> dict[int, FileRecord]:
+    """The file of each replica of actor component `name` in a manifest, by replica index
+    (whatever attempt wrote it)."""
+    out = {}
+    for f in component.files:
+        m = _ACTOR_FILE_RE.fullmatch(f.path)
+        if m is not None and m["name"] == name:
+            out[int(m["replica"])] = f
+    return out
+
+
+def logical_path(path: str) -> str:
+    """`path` without the save attempt in its name: one replica's file in any two steps."""
+    m = _ACTOR_FILE_RE.fullmatch(path)
+    if m is None or m["attempt"] is None:
+        return path
+    return actor_file(m["name"], int(m["replica"]))
 
 
 def trainer_rank_file(rank: int) -> str:
@@ -66,7 +99,7 @@ def trainer_rank_file(rank: int) -> str:
 
 def check_name(name: Any) -> str:
     """Refuse names that could leave the step folder or collide with reserved files."""
-    if not isinstance(name, str) or not _NAME_RE.match(name) or ".." in name:
+    if not isinstance(name, str) or not _NAME_RE.fullmatch(name) or ".." in name:
         raise InvalidNameError(
             f"invalid component name {name!r}: use 1-128 letters, digits, '_', '-' or '.', "
             "starting with a letter or digit, without '..' or path separators"

@@ -93,7 +93,9 @@ class _Side:
 
     @property
     def recs(self) -> dict[str, FileRecord]:
-        return {r.path: r for r in self.comp.files}
+        """The component's files by name, without the save attempt that wrote each (one
+        replica's file has one name in any two steps)."""
+        return {layout.logical_path(r.path): r for r in self.comp.files}
 
 
 def diff_steps(
@@ -132,16 +134,20 @@ def _component(a: _Side, b: _Side) -> Iterator[Entry]:
         elif _same_digest([ra[path]], [rb[path]]):
             yield Entry(path, "", UNCHANGED, "digest")
         else:
-            yield from _values(path, serialization.load_from(a.sub, path, ra[path]),
-                               serialization.load_from(b.sub, path, rb[path]))  # fmt: skip
+            yield from _values(path, serialization.load_from(a.sub, ra[path].path, ra[path]),
+                               serialization.load_from(b.sub, rb[path].path, rb[path]))  # fmt: skip
 
 
 def _same_digest(a: list[FileRecord], b: list[FileRecord]) -> bool:
-    """Every file has a digest on both sides and they are equal, path by path."""
+    """Every file has a digest on both sides and they are equal, name by name."""
+
+    def named(recs: list[FileRecord]) -> list[tuple[str, str | None]]:
+        return sorted((layout.logical_path(r.path), r.digest) for r in recs)
+
     return (
         len(a) == len(b) > 0
         and all(r.digest is not None for r in (*a, *b))
-        and sorted((r.path, r.digest) for r in a) == sorted((r.path, r.digest) for r in b)
+        and (named(a) == named(b))
     )
 
 
