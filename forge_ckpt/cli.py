@@ -3,7 +3,7 @@
 forge-ckpt list FOLDER          steps, committed or not, size, components; quarantined steps
 forge-ckpt inspect STEP_FOLDER  manifest, components, tensor shapes and dtypes
 forge-ckpt verify STEP_FOLDER   every file against its size and crc32c (exit 1 if any fails)
-forge-ckpt gc FOLDER            remove uncommitted steps (takes the folder's lease)
+forge-ckpt gc FOLDER            remove uncommitted steps and stray files (takes the lease)
 forge-ckpt export STEP_FOLDER OUT --format safetensors   the model weights for HF tooling
                                 [--hf FAMILY:FLAVOR] [--hf-config DIR]   in HF names and layout
 forge-ckpt diff STEP_A STEP_B   what differs between two steps, per component and tensor
@@ -283,7 +283,8 @@ def _dcp_lines(entries: dict[str, dict[str, Any]]) -> list[tuple[str, str]]:
 
 @app.command()
 def gc(folder: str) -> None:
-    """Remove steps that were never committed (leftovers of crashed saves)."""
+    """Remove steps that were never committed (leftovers of crashed saves) and files in
+    committed steps that their manifest does not name (late writes of aborted saves)."""
     store = open_storage(folder)
     lease = Lease(store, ttl_s=60.0)
     try:
@@ -293,11 +294,15 @@ def gc(folder: str) -> None:
         raise typer.Exit(1) from None
     try:
         removed = commit.remove_uncommitted(store)
+        strays = commit.remove_strays(store)
     finally:
         lease.release()
-    console.print(
-        f"removed {len(removed)} uncommitted step(s): {removed}" if removed else "nothing to remove"
-    )
+    if removed:
+        console.print(f"removed {len(removed)} uncommitted step(s): {removed}")
+    if strays:
+        console.print(f"removed {len(strays)} stray file(s) of late writes: {strays}")
+    if not removed and not strays:
+        console.print("nothing to remove")
 
 
 class ExportFormat(str, Enum):

@@ -305,3 +305,26 @@ def remove_uncommitted(store: Storage) -> list[int]:
             store.delete(name)
     store.abort_uploads("")
     return leftovers
+
+
+def remove_strays(store: Storage) -> list[str]:
+    """Remove actor files in committed steps that their manifest does not name: a write of an
+    aborted save attempt, or of a job that lost the lease, that landed after the step was
+    committed (each attempt names its own files, so such a write lands beside the step's,
+    never on them: docs/protocol.md, rule 9). Call only while holding the folder's lease."""
+    removed = []
+    for step in layout.committed_steps(store):
+        try:
+            manifest = layout.read_committed(store, step)
+        except Exception:  # noqa: BLE001 - damaged: load() and `verify` report it, not this
+            continue
+        named = {f.path for c in manifest.components.values() for f in c.files}
+        folder = f"{layout.step_name(step)}/{layout.ACTORS}"
+        strays = [n for n in store.list(folder) if f"{layout.ACTORS}/{n}" not in named]
+        if strays:
+            _writer(store, f"remove stray files of step {step}", fresh=True)
+        for name in strays:
+            store.delete(f"{folder}/{name}")
+            removed.append(f"{folder}/{name}")
+            log.warning("removed %s: a late write the step's manifest does not name", name)
+    return removed
