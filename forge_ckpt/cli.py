@@ -294,7 +294,7 @@ def gc(folder: str) -> None:
         raise typer.Exit(1) from None
     try:
         removed = commit.remove_uncommitted(store)
-        strays = commit.remove_strays(store)
+        strays = commit.remove_strays(store, Signer.from_config())
     finally:
         lease.release()
     if removed:

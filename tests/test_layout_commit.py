@@ -123,10 +123,12 @@ def test_prepare_refuses_committed_and_clears_leftover(store):
 def test_remove_uncommitted(store):
     make_step(store, 1)
     make_step(store, 2, commit=False)
-    store.write("x.tmp.123", b"")
+    store.write(f"{layout.LEASE}.tmp.123.0a1b2c3d", b"")  # a crashed lease renewal's
+    store.write("notes.tmp.txt", b"")  # not ours (a folder at a bucket's root shares it)
     assert remove_uncommitted(store) == [2]
     assert layout.all_steps(store) == [1]
-    assert not store.exists("x.tmp.123")
+    assert not store.exists(f"{layout.LEASE}.tmp.123.0a1b2c3d")
+    assert store.exists("notes.tmp.txt")
 
 
 @pytest.mark.parametrize(

@@ -9,6 +9,16 @@
 3. A manifest that records two replicas but names a file for one said "register as many
    replicas as were saved" (a mismatch, which `fallback` does not pass over): it is a damaged
    step, reported as one, naming the replicas without a file.
+
+Review 19, of review 18's gc (fresh-context, small programs):
+
+4. gc took every file a committed manifest does not name for a stray: with the manifest of
+   claim 3 it deleted the only copy of replica 1, and it read a signed step's manifest
+   without the signing key, acting on an altered one. gc now removes only a replica's file
+   of another save attempt where the manifest names that replica's file, and reads
+   manifests with the configured keys (a step whose signature fails is left alone).
+5. gc deleted every top-level name with ".tmp." in it: at a bucket's root, other owners'
+   objects. It removes only a crashed lease renewal's temp file (test_layout_commit.py).
 """
 
 from __future__ import annotations
@@ -92,6 +102,10 @@ async def test_a_manifest_without_a_replicas_file_is_a_damaged_step(tmp_path):
     marker = layout.marker_bytes(1, crc32c_of_bytes(raw), manifest.get("generation", 0))
     with open(os.path.join(step, layout.MARKER), "wb") as f:
         f.write(marker)
+    before = sorted(os.listdir(os.path.join(step, "actors")))
+    out = CliRunner().invoke(app, ["gc", folder])  # claim 4: no replica's only copy goes
+    assert out.exit_code == 0 and "nothing to remove" in out.output, out.output
+    assert sorted(os.listdir(os.path.join(step, "actors"))) == before and len(before) == 2
     for kw in ({}, {"reshard": lambda states, n: [states[0]] * n}):
         c = CheckpointCoordinator(CheckpointConfig(folder=folder, keep_last=None))
         c.register("buf", [Handle(Comp(0)), Handle(Comp(0))], **kw)
@@ -102,3 +116,42 @@ async def test_a_manifest_without_a_replicas_file_is_a_damaged_step(tmp_path):
                 await c.load(step=1)
         finally:
             c.close()
+
+
+def rewrite(step: str, manifest: dict, signature: str | None) -> None:
+    """Replace a step's manifest and a marker that matches it, keeping `signature`."""
+    raw = json.dumps(manifest).encode()
+    with open(os.path.join(step, layout.MANIFEST), "wb") as f:
+        f.write(raw)
+    marker = layout.marker_bytes(
+        int(manifest["step"]), crc32c_of_bytes(raw), manifest.get("generation", 0), signature
+    )
+    with open(os.path.join(step, layout.MARKER), "wb") as f:
+        f.write(marker)
+
+
+async def test_gc_leaves_a_signed_step_whose_manifest_was_altered(tmp_path, monkeypatch):
+    """Claim 4: the manifest names a planted file of another attempt for c0's replica 0 (its
+    signature kept): read without the key, the real file would be the stray."""
+    key = "k" * 32
+    monkeypatch.setenv("FORGE_CKPT_SIGNING_KEY", key)
+    folder = str(tmp_path)
+    c = CheckpointCoordinator(CheckpointConfig(folder=folder, keep_last=None, signing_key=key))
+    c.register("c0", Handle(Comp(1)))
+    await c.save(1)
+    c.close()
+    step = layout.step_dir(folder, 1)
+    with open(os.path.join(step, layout.MANIFEST)) as f:
+        manifest = json.load(f)
+    with open(os.path.join(step, layout.MARKER)) as f:
+        signature = json.load(f).get("signature")
+    assert signature is not None
+    real = manifest["components"]["c0"]["files"][0]["path"]
+    planted = layout.actor_file("c0", 0, layout.attempt_name(9, 9))
+    with open(os.path.join(step, real), "rb") as src, open(os.path.join(step, planted), "wb") as f:
+        f.write(src.read())
+    manifest["components"]["c0"]["files"][0]["path"] = planted
+    rewrite(step, manifest, signature)
+    out = CliRunner().invoke(app, ["gc", folder])
+    assert out.exit_code == 0 and "nothing to remove" in out.output, out.output
+    assert os.path.exists(os.path.join(step, real)) and os.path.exists(os.path.join(step, planted))

@@ -20,6 +20,7 @@ Delete: COMMIT first (made durable), then the rest, so a half-deleted step is ne
 from __future__ import annotations
 
 import logging
+import re
 import time
 import uuid
 from collections.abc import Callable
@@ -282,6 +283,10 @@ def retire_after(store: Storage, step: int) -> list[int]:
     return newer
 
 
+# A replaced lease's temp file (LocalStorage._write_temp) left by a crash.
+_LEASE_TEMP = re.compile(re.escape(layout.LEASE) + r"\.tmp\.\d+\.[0-9a-f]{8}")
+
+
 def remove_uncommitted(store: Storage) -> list[int]:
     """Remove leftovers of crashed saves and of writers that lost the lease (steps without a
     COMMIT the lease records, temp files, unfinished multipart uploads). Call only while
@@ -300,31 +305,31 @@ def remove_uncommitted(store: Storage) -> list[int]:
             log.warning("could not remove uncommitted leftover step-%d: %s", step, e)
             continue
         log.warning("removed uncommitted leftover step-%d (a save that never committed)", step)
-    for name in store.list(""):
-        if ".tmp." in name:
+    for name in store.list(""):  # only ours: a folder at a bucket's root shares it
+        if _LEASE_TEMP.fullmatch(name):
             store.delete(name)
     store.abort_uploads("")
     return leftovers
 
 
-def remove_strays(store: Storage) -> list[str]:
-    """Remove actor files in committed steps that their manifest does not name: a write of an
-    aborted save attempt, or of a job that lost the lease, that landed after the step was
-    committed (each attempt names its own files, so such a write lands beside the step's,
-    never on them: docs/protocol.md, rule 9). Call only while holding the folder's lease."""
+def remove_strays(store: Storage, signer: Signer | None = None) -> list[str]:
+    """Remove, in committed steps, actor files of a replica whose manifest names another save
+    attempt's file for it: a write of an aborted attempt, or of a job that lost the lease,
+    that landed after the step was committed (each attempt names its own files, so such a
+    write lands beside the step's, never on them: docs/protocol.md, rule 9). A step whose
+    manifest does not check out (`signer`: its signature too) is left alone. Call only while
+    holding the folder's lease."""
     removed = []
     for step in layout.committed_steps(store):
         try:
-            manifest = layout.read_committed(store, step)
+            manifest = layout.read_committed(store, step, signer)
         except Exception:  # noqa: BLE001 - damaged: load() and `verify` report it, not this
             continue
-        named = {f.path for c in manifest.components.values() for f in c.files}
-        folder = f"{layout.step_name(step)}/{layout.ACTORS}"
-        strays = [n for n in store.list(folder) if f"{layout.ACTORS}/{n}" not in named]
-        if strays:
+        name = layout.step_name(step)
+        strays = layout.other_attempts(manifest, store.list(f"{name}/{layout.ACTORS}"))
+        for path in strays:
             _writer(store, f"remove stray files of step {step}", fresh=True)
-        for name in strays:
-            store.delete(f"{folder}/{name}")
-            removed.append(f"{folder}/{name}")
-            log.warning("removed %s: a late write the step's manifest does not name", name)
+            store.delete(f"{name}/{path}")
+            removed.append(f"{name}/{path}")
+            log.warning("removed %s/%s: a late write of another save attempt", name, path)
     return removed

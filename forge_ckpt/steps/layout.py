@@ -28,7 +28,7 @@ import errno
 import json
 import posixpath
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -82,6 +82,25 @@ def replica_files(component: Component, name: str) -> dict[int, FileRecord]:
         m = _ACTOR_FILE_RE.fullmatch(f.path)
         if m is not None and m["name"] == name:
             out[int(m["replica"])] = f
+    return out
+
+
+def other_attempts(manifest: Manifest, names: Iterable[str]) -> list[str]:
+    """Of `names` (a committed step's `actors/` folder listed), the files of a replica that
+    the manifest names another save attempt's file for: late writes of aborted attempts.
+    Anything else (a replica or component the manifest does not name, a name that is not an
+    actor file) is not taken for one: a damaged manifest must not make its data a stray."""
+    kept = {
+        (name, i): rec.path
+        for name, comp in manifest.components.items()
+        for i, rec in replica_files(comp, name).items()
+    }
+    out = []
+    for n in names:
+        m = _ACTOR_FILE_RE.fullmatch(f"{ACTORS}/{n}")
+        own = None if m is None else kept.get((m["name"], int(m["replica"])))
+        if m is not None and m["attempt"] is not None and own not in (None, m.group(0)):
+            out.append(m.group(0))
     return out
 
 
