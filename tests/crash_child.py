@@ -34,10 +34,10 @@ def install(phase: str) -> None:
     real_replace = LocalStorage.replace
     seen_files: list[str] = []
 
-    async def begin(self, step_dir, background, defer=False):
+    async def begin(self, step_dir, background, defer=False, attempt=None):
         if phase == "before_trainer_write" and self.name == "trainer":
             die()
-        return await real_begin(self, step_dir, background, defer)
+        return await real_begin(self, step_dir, background, defer, attempt)
 
     async def status(self):
         recs = await real_status(self)
