@@ -187,6 +187,24 @@ class Comp(Checkpointable):
         self.version = int(state["version"])
 
 
+class SlowReply(Comp):
+    """Its begin-save call for step `step` writes the file, then answers only once let go
+    (`go`), once `armed`; `entered` is set when it waits."""
+
+    def __init__(self, version: int, step: int) -> None:
+        super().__init__(version)
+        self.step = step
+        self.entered, self.go, self.armed = threading.Event(), threading.Event(), False
+
+    def forge_begin_save(self, where: Any, relpath: str, background: bool, defer: bool = False):
+        out = super().forge_begin_save(where, relpath, background, defer)
+        if self.armed and where.url.endswith(f"step-{self.step}"):
+            self.armed = False
+            self.entered.set()
+            assert self.go.wait(WAIT_S)
+        return out
+
+
 def looking_at_calls(coord: Any) -> threading.Event:
     """Set once `coord` looks at its running storage calls while one runs: what it does
     before it waits for the calls an earlier event loop left running (review 9, review 12)."""

@@ -423,6 +423,15 @@ async def test_close_with_the_memory_tier_never_blocks_behind_a_renewal(tmp_path
     assert coord.tier.cancelled  # type: ignore[attr-defined]
 
 
+async def job_with_step_1(folder: Any, clock: Clock) -> CheckpointCoordinator:
+    """Job A on host-a (TTL 60 s, every step kept), its component c0 at version 101 and step 1
+    committed: the first job of the late-write tests below."""
+    a = job(folder, clock, "host-a", lease_ttl_s=60.0, keep_last=None)
+    a.register("c0", Handle(Comp(101)))
+    assert (await a.save(1)).committed
+    return a
+
+
 async def test_a_stale_preparation_learns_it_lost_the_lease_before_its_actors_write(tmp_path):
     """A job's preparation of step 2 stalled (its last `makedirs` held) past its lease; a
     successor took the folder over and began its own step 2. The stale job's actors then
@@ -432,9 +441,7 @@ async def test_a_stale_preparation_learns_it_lost_the_lease_before_its_actors_wr
     learns it lost the lease before its actors write; the successor's step 2 commits. (A
     write already sent when the lease runs out still lands late: the next test.)"""
     clock = Clock()
-    a = job(tmp_path, clock, "host-a", lease_ttl_s=60.0, keep_last=None)
-    a.register("c0", Handle(Comp(101)))
-    assert (await a.save(1)).committed
+    a = await job_with_step_1(tmp_path, clock)
     stalled = hold("makedirs", "step-2/trainer")
     a_save = asyncio.ensure_future(a.save(2))
     b = None
@@ -470,9 +477,7 @@ async def test_a_late_actor_write_sent_under_the_lease_lands_beside_the_successo
     the late file lands beside the successor's, outside its manifest; with one name for
     both, the successor's create-only write met it and its save failed once."""
     clock = Clock()
-    a = job(tmp_path, clock, "host-a", lease_ttl_s=60.0, keep_last=None)
-    a.register("c0", Handle(Comp(101)))
-    assert (await a.save(1)).committed
+    a = await job_with_step_1(tmp_path, clock)
     a_write = hold("writer", "step-2/actors/c0.0.msgpack")
     a_save = asyncio.ensure_future(a.save(2))
     b = None

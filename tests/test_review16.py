@@ -13,11 +13,9 @@
 from __future__ import annotations
 
 import asyncio
-import threading
-from typing import Any
 
 import pytest
-from _held_storage import WAIT_S, Clock, Comp, Handle, held_rules, job  # noqa: F401
+from _held_storage import WAIT_S, Clock, Comp, Handle, SlowReply, held_rules, job  # noqa: F401
 
 from forge_ckpt.errors import CheckpointError
 
@@ -48,25 +46,9 @@ def test_a_call_whose_task_never_started_is_not_counted(tmp_path, held_rules):  
     del task
 
 
-class SlowReply(Comp):
-    """Its begin-save call for step 4 writes the file, then answers only once let go."""
-
-    def __init__(self, version: int) -> None:
-        super().__init__(version)
-        self.entered, self.go, self.armed = threading.Event(), threading.Event(), False
-
-    def forge_begin_save(self, where: Any, relpath: str, background: bool, defer: bool = False):
-        out = super().forge_begin_save(where, relpath, background, defer)
-        if self.armed and where.url.endswith("step-4"):
-            self.armed = False
-            self.entered.set()
-            assert self.go.wait(WAIT_S)
-        return out
-
-
 def test_a_save_under_way_in_an_idle_loop_refuses_another_loops_save(tmp_path, held_rules):  # noqa: F811
     a = job(tmp_path, Clock(), "host-a", keep_last=10)
-    comp = SlowReply(1)
+    comp = SlowReply(1, step=4)
     a.register("c0", Handle(comp))
     first = asyncio.new_event_loop()
     try:

@@ -16,29 +16,21 @@ from __future__ import annotations
 import asyncio
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
 import pytest
-from _held_storage import WAIT_S, Clock, Comp, Handle, held_rules, hold, job  # noqa: F401
+from _held_storage import (  # noqa: F401
+    WAIT_S,
+    Clock,
+    Comp,
+    Handle,
+    SlowReply,
+    held_rules,
+    hold,
+    job,
+)
 from test_review15 import ActorHandle, landed  # noqa: F401
 
 from forge_ckpt.errors import CheckpointError
-
-
-class SlowReply(Comp):
-    """Its begin-save call for step 2 writes the file, then answers only once let go."""
-
-    def __init__(self, version: int) -> None:
-        super().__init__(version)
-        self.entered, self.go, self.armed = threading.Event(), threading.Event(), False
-
-    def forge_begin_save(self, where: Any, relpath: str, background: bool, defer: bool = False):
-        out = super().forge_begin_save(where, relpath, background, defer)
-        if self.armed and where.url.endswith("step-2"):
-            self.armed = False
-            self.entered.set()
-            assert self.go.wait(WAIT_S)
-        return out
 
 
 def test_work_another_open_loop_started_after_this_loops_look_is_refused(
@@ -47,7 +39,7 @@ def test_work_another_open_loop_started_after_this_loops_look_is_refused(
     landed,  # noqa: F811
 ):
     a = job(tmp_path, Clock(), "host-a", keep_last=10)
-    comp = SlowReply(1)
+    comp = SlowReply(1, step=2)
     a.register("c0", Handle(comp))
     first, second = asyncio.new_event_loop(), asyncio.new_event_loop()
     try:
