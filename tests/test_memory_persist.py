@@ -170,7 +170,7 @@ async def test_close_during_the_durable_commit_keeps_the_step(nodes, s3_folder):
     actor = cu.Buffer.options(**cu.on("head")).remote(0)
     coord.register("dataset", actor)
     entered, release, done = threading.Event(), threading.Event(), threading.Event()
-    real = coord._commit
+    real = coord._committer.commit
 
     def gated_commit(manifest: layout.Manifest, store: Any = None) -> None:
         if store is not None:  # a memory commit
@@ -182,7 +182,7 @@ async def test_close_during_the_durable_commit_keeps_the_step(nodes, s3_folder):
         finally:
             done.set()
 
-    coord._commit = gated_commit  # type: ignore[method-assign]
+    coord._committer.commit = gated_commit  # type: ignore[method-assign]
     try:
         await coord.save(1)
         assert await asyncio.to_thread(entered.wait, 120)

@@ -83,7 +83,7 @@ async def test_a_driver_dead_before_removing_the_old_memory_steps_resumes_the_ne
     async def die() -> None:
         raise Crash("driver killed after the new branch's commit")
 
-    a._retire_memory = die  # type: ignore[method-assign]
+    a._committer.retire_memory = die  # type: ignore[method-assign]
     with pytest.raises(Crash):
         await a.save(4)
     a._lease.release()  # the dead driver's lease expires; its holders live on
@@ -122,14 +122,14 @@ async def test_a_load_during_a_save_waits_for_it(counter, tmp_path):
     coord.register("counter", counter)
     await saved(coord, counter, range(1, 5))
     entered, go = threading.Event(), threading.Event()
-    real = coord._commit
+    real = coord._committer.commit
 
     def held_commit(manifest, store=None):  # the commit's thread waits here
         entered.set()
         assert go.wait(120)
         return real(manifest, store)
 
-    coord._commit = held_commit  # type: ignore[method-assign]
+    coord._committer.commit = held_commit  # type: ignore[method-assign]
     await counter.set.remote(5)
     saving = asyncio.ensure_future(coord.save(5))
     assert await asyncio.to_thread(entered.wait, 120)

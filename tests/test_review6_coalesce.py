@@ -53,7 +53,7 @@ async def queue_two(coord: CheckpointCoordinator, counter: Any, monkeypatch: Any
         tier._pinned.add(step)
     manifests = [layout.read_committed(tier.store, s) for s in (2, 3)]
     for m in manifests:  # no await in between: 2's task never ran before 3 took its turn
-        tier._start_persist(m, coord.store, coord._commit, coord._retention)
+        tier._start_persist(m, coord.store, coord._committer.commit, coord._committer.retention)
     return go
 
 

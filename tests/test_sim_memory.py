@@ -124,16 +124,16 @@ def test_a_stale_jobs_memory_manifest_does_not_fail_its_successors_save(world):
     assert a.run(a.coord.save(1)).committed
     wait_out_the_lease(world)
     b = Job(world, "jobB")
-    real = b.coord._commit_now
+    real = b.coord._committer.commit_now
 
     def stale_write_lands_first(manifest: Any, store: Any) -> None:
         if store is not None and manifest.step == 2:  # the memory commit of step 2
             store.create("step-2/manifest.json", b'{"step": 2, "stale": true}')
         real(manifest, store)
 
-    b.coord._commit_now = stale_write_lands_first  # type: ignore[method-assign]
+    b.coord._committer.commit_now = stale_write_lands_first  # type: ignore[method-assign]
     assert b.run(b.coord.save(2)).committed
-    b.coord._commit_now = real  # type: ignore[method-assign]
+    b.coord._committer.commit_now = real  # type: ignore[method-assign]
     got = b.run(b.coord.load())
     assert (got.step, got.tier) == (2, "memory")
     b.coord.close()
@@ -162,7 +162,7 @@ def test_a_stale_jobs_abort_leaves_its_successors_step_in_progress(world):
     a, b = stale_and_successor(world)
     assert a.coord.tier is not None
     mine = a.coord.tier.store
-    aborts = before_bs_marker(b, lambda: a.start(a.coord._discard(2, mine)))
+    aborts = before_bs_marker(b, lambda: a.start(a.coord._committer.discard(2, mine)))
     assert b.run(b.coord.save(2)).committed
     assert aborts[0].done()
     got = b.run(b.coord.load())

@@ -4,8 +4,9 @@ Reads top to bottom: opening the folder (lease, crash leftovers), registration, 
 (snapshot phase, persist phase, commit, retention; abort on failure), load, and lifetime.
 Its collaborators each hold one part: `Timeline` (timeline.py) which step numbers a save may
 take and which it abandons after a rollback, `Loader` (loader.py) the all-or-nothing load,
-`LeasedCalls` (leased_calls.py) storage calls under the lease and a close that never cuts one,
-unit_calls.py the calls on many actors at once. The protocol's rules and the invariants the
+`Committer` (committer.py) the manifest, the commit and what it sets going, and an aborted
+save's removal, `LeasedCalls` (leased_calls.py) storage calls under the lease and a close that
+never cuts one, unit_calls.py the calls on many actors at once. The protocol's rules and the invariants the
 simulation (forge_ckpt.sim) checks are in docs/protocol.md.
 """
 
@@ -17,9 +18,6 @@ import time
 from collections.abc import Awaitable, Iterable, Sequence
 from typing import Any
 
-import torch
-
-from .. import __version__
 from ..actors.reshard import ReshardRule
 from ..config import CheckpointConfig
 from ..errors import CheckpointError, CheckpointSaveError
@@ -28,10 +26,10 @@ from ..memory.tier import open_tier
 from ..steps import branch, commit, layout
 from ..steps.lock import Lease
 from ..storage import Storage, StorageSpec, open_storage
-from . import follow_ups, unit_calls
+from . import unit_calls
+from .committer import Committer
 from .components import Group, Unit, actor_group, trainer_group
 from .events import Events
-from .follow_ups import FollowUps
 from .leased_calls import LeasedCalls
 from .loader import Loader
 from .remote_errors import describe, save_error
@@ -87,11 +85,6 @@ class CheckpointCoordinator:
         self._pending_step = -1  # its step
         self._attempts = 0  # save attempts so far (they name their files)
         self._op_lock: tuple[Any, asyncio.Lock] | None = None  # (its loop, the lock): _op()
-        self._follow_ups = FollowUps(self._committed_follow_up, self._io, self._running,
-                                     lambda store, step: self._timeline.committed(store, step))  # fmt: skip
-        # One commit at a time per store: a persist's durable commit (seconds on S3) never
-        # holds up a memory save's commit; the lease has its own lock.
-        self._commit_locks = {"durable": runtime.lock(), "memory": runtime.lock()}
         self._events = Events(config.on_event)  # one record per save and load (events.py)
         # None: no memory tier
         self.tier = open_tier(config, self._lease.release, self.store, runtime.to_thread)
@@ -99,6 +92,9 @@ class CheckpointCoordinator:
             self.tier.io = self._storage.background
         memory = self.tier.store if self.tier is not None else None
         self._timeline = Timeline(self.store, config, memory)
+        self._committer = Committer(config, self.store, self.tier, self._timeline, self._lease,
+                                    self._storage, self._newest, runtime)  # fmt: skip
+        self._follow_ups = self._committer.follow_ups
         self._loader = Loader(config, self._signer, self.store, self.tier, self._timeline,
                               self._groups, self._io, self._newest)  # fmt: skip
 
@@ -153,7 +149,7 @@ class CheckpointCoordinator:
         decides every owed follow-up (`decide`, review 10, B)."""
         await self._quiesce_calls(decide=decide)
         if self._timeline.aside:
-            await self._put_back()
+            await self._committer.put_back()
 
     # ---- registration -------------------------------------------------------------------
 
@@ -239,9 +235,9 @@ class CheckpointCoordinator:
             await self._io(commit.prepare_step, store, step)
         except OSError as e:
             if prepared:
-                await self._discard(step, store)
+                await self._committer.discard(step, store)
             elif self._timeline.branch_from is not None and store is self.store:
-                await self._put_back()  # a set-aside move that failed half-way
+                await self._committer.put_back()  # a set-aside move that failed half-way
             lines = [f"preparing the step: {describe(e)}"]
             raise save_error(self._newest(), step, lines) from e
         groups = dict(self._groups)  # what this save holds, whatever register() does meanwhile
@@ -254,7 +250,7 @@ class CheckpointCoordinator:
         if not defer:
             result.nbytes = await begun
         result.blocked_s = time.perf_counter() - start
-        finish = self._finish_save(
+        finish = self._committer.finish(
             result,
             groups,
             extra,
@@ -275,9 +271,12 @@ class CheckpointCoordinator:
     ) -> int:
         """The snapshots' total size (their calls are already submitted); a failure aborts."""
         try:
-            return sum(await self._all(units, calls, step, "snapshot"))
+            args = (step, "snapshot", self.config, self._newest)
+            return sum(await unit_calls.run_all(units, calls, *args))
+        except GeneratorExit:  # closed unrun by a dropped loop: nothing can be awaited
+            raise
         except BaseException as e:
-            await self._abort(units, step, e, store)
+            await self._committer.abort(units, step, e, store)
             raise
 
     def _target(self, memory: bool) -> tuple[Storage, StorageSpec]:
@@ -285,177 +284,6 @@ class CheckpointCoordinator:
         if memory and self.tier is not None:
             return self.tier.store, self.tier.spec
         return self.store, self.config.storage
-
-    async def _finish_save(
-        self,
-        result: SaveResult,
-        groups: dict[str, Group],
-        extra: Any,
-        store: Storage,
-        abandons: list[tuple[int, float]],
-        *,
-        durable: bool | None,
-        begun: Awaitable[int] | None,
-    ) -> SaveResult:
-        units = [u for g in groups.values() for u in g.units]
-        start = time.perf_counter() - result.blocked_s
-        if begun is not None:  # deferred: the snapshots were awaited by nobody yet
-            result.nbytes = await begun
-        committing = False
-        try:
-            records = await unit_calls.poll_written(units, result, start, self.config, self._newest)
-            manifest = self._manifest(groups, result.step, records, result.seconds, extra)
-            manifest.supersedes = abandons
-            if manifest.created in [t for s, t in abandons if s == result.step]:
-                manifest.created += 1e-3  # never the abandoned step's identity
-            commit_call = asyncio.ensure_future(self._io(self._commit, manifest, store))
-            follow = self._follow_ups.start(commit_call, manifest, store, abandons, durable)
-            committing = True  # from here on the step may become visible: never abort it
-            await asyncio.shield(commit_call)
-        except BaseException as e:
-            if committing:
-                follow.add_done_callback(follow_ups.log_failure(result.step))
-            if _may_abort(committing, e):
-                await self._abort(units, result.step, e, store)
-                if isinstance(e, (OSError, ValueError)):
-                    lines = [f"commit: {describe(e)}"]
-                    raise save_error(self._newest(), result.step, lines) from e
-                raise
-            unknown = isinstance(e, OSError) or not isinstance(e, CheckpointError)
-            if isinstance(e, Exception) and unknown:  # a definite refusal says so itself
-                raise CheckpointSaveError(
-                    f"step {result.step}: the commit failed and its outcome is unknown "
-                    f"({describe(e)}); the step was left as it is: a load counts it if its "
-                    "commit was recorded, and the next start removes it if not"
-                ) from e
-            raise
-        result.nbytes = manifest.nbytes
-        result.total_s = time.perf_counter() - start
-        result.committed = True
-        log.info(
-            "committed step %d: %.1f MB in %.2fs", result.step, result.nbytes / 1e6, result.total_s
-        )
-        try:
-            turn = await asyncio.shield(follow)
-        except asyncio.CancelledError:
-            follow.add_done_callback(follow_ups.log_failure(result.step))
-            raise
-        if turn is not None and not turn.done():  # a due save waits for the persist before
-            await asyncio.wait([turn])  # its own (at most one waits its turn)
-        return result
-
-    async def _committed_follow_up(
-        self,
-        manifest: layout.Manifest,
-        store: Storage,
-        abandons: list[tuple[int, float]],
-        durable: bool | None,
-    ) -> asyncio.Future | None:
-        """What a commit sets going (follow_ups.py runs it as a task of its own). Returns the
-        persist a due memory step's persist waits for (the save waits for it too, outside
-        that task: the next save waits for the task)."""
-        if self._timeline.branch_from is not None and self.tier is not None:
-            await self._retire_memory()
-        self._timeline.branch_committed()
-        if abandons:  # the abandoned one goes now
-            try:
-                await self._io(branch.retire_superseded, self.store)
-            except (OSError, CheckpointError) as e:  # loads skip them; a later save removes them
-                self._timeline.forget(self.store)  # their numbers are not free yet
-                log.warning("could not yet remove the abandoned steps: %s", e)
-        if self.tier is not None and store is not self.store:  # maybe persisted, later
-            # (`store` is the tier's, maybe an older object of it: a node that joined
-            # since replaced it; review 11, claim 7)
-            persist = (self._commit, self._retention)
-            return await self.tier.committed(manifest, self.store, persist, durable)
-        await self._retention()
-        return None
-
-    async def _retire_memory(self) -> None:
-        """Remove the memory steps that a committed durable step of a newer branch abandoned
-        (after that branch's first commit, and before each load: a driver may have died in
-        between). Loads skip them meanwhile."""
-        assert self.tier is not None
-        try:
-            for s in await self._io(branch.abandoned_copies, self.store, self.tier.store):
-                await self._io(commit.remove_step, self.tier.store, s)
-        except (OSError, CheckpointError) as e:  # (CheckpointError: closed meanwhile)
-            log.warning("could not yet remove the abandoned branch's memory steps: %s", e)
-
-    async def _retention(self) -> None:
-        """Best effort after a commit: a failure leaves extra steps, never a failed save (the
-        step is committed); the next save tries again."""
-        try:
-            removed = await self._io(self._timeline.apply_retention)
-        except (OSError, CheckpointError) as e:  # e.g. the lease, lost since the commit
-            self._timeline.forget(self.store)  # abandoned steps may be left
-            log.warning("retention could not run (the next save tries again): %s", e)
-            return
-        if removed:
-            log.info("retention removed steps %s", removed)
-
-    def _commit(self, manifest: layout.Manifest, store: Storage | None = None) -> None:
-        """Commit under the lease (also the memory tier's persist: from its own thread)."""
-        self._under_lease(self._commit_now, manifest, store)
-
-    def _commit_now(self, manifest: layout.Manifest, store: Storage | None) -> None:
-        target = self.store if store is None else store
-        with self._commit_locks["durable" if target is self.store else "memory"]:
-            commit.commit_step(target, manifest, self._lease.renew, self._signer)
-            self._timeline.committed(target, manifest.step)
-
-    def _manifest(
-        self, groups: dict[str, Group], step: int, records: dict, seconds: dict, extra: Any
-    ) -> layout.Manifest:
-        comps = {}
-        for name, group in groups.items():
-            files = [f for u in group.units for f in records[(name, u.index)]]
-            for f in files:  # what a unit reported must stay inside the step folder
-                layout.check_relpath(f.path, f"{name}'s report")
-            comps[name] = layout.Component(
-                group.kind, len(group.units), files, seconds.get(name, 0.0)
-            )
-        return layout.Manifest(
-            step=step,
-            components=comps,
-            extra=extra,
-            fingerprint=self.config.fingerprint,
-            versions={"forge_ckpt": __version__, "torch": torch.__version__},
-            created=self._rt.wall(),
-            generation=self._lease.generation,
-        )
-
-    async def _abort(
-        self, units: list[Unit], step: int, error: BaseException, store: Storage
-    ) -> None:
-        """Stop every unit's part of a failed save, then remove the step's files."""
-        await unit_calls.stop(units, error, self.config.abort_timeout_s)
-        await self._discard(step, store)
-
-    async def _discard(self, step: int, store: Storage) -> None:
-        """Remove an aborted step's files; a failure here must not hide the save's own error.
-        Never without the lease: the folder may be another job's by now (it removes them)."""
-        if not self._lease.held:
-            log.warning("not removing the aborted step %d: the lease is no longer held", step)
-            return
-        try:
-            await self._io(commit.remove_if_uncommitted, store, step)
-            if store is self.store and self._timeline.branch_from is not None:
-                await self._put_back()
-        except (OSError, CheckpointError) as e:
-            log.warning(
-                "could not remove aborted step %s (%s); it is not committed and will be "
-                "removed at the next start",
-                store.where(layout.step_name(step)),
-                e,
-            )
-
-    async def _put_back(self) -> None:
-        try:
-            await self._io(branch.put_back, self.store, self._lease)
-            self._timeline.aside = False
-        except (OSError, CheckpointError) as e:  # the next save, load or start puts it back
-            log.warning("could not put a set-aside step back yet: %s", e)
 
     async def wait(self, persisting: bool = True) -> SaveResult | None:
         """Wait for a background save (and, with the memory tier, its persist to the durable
@@ -558,7 +386,7 @@ class CheckpointCoordinator:
             await self._quiesce(decide=True)
             self._timeline.forget()
             if self.tier is not None:
-                await self._retire_memory()
+                await self._committer.retire_memory()
                 self.tier.relist()
             loaded = await self._loader.load(step, set(exclude), allow_mismatch)
         except BaseException:
@@ -586,12 +414,6 @@ class CheckpointCoordinator:
             failure = await self.tier.settle()
             if failure is not None:
                 log.warning("%s; loading the newest whole step of either tier", failure)
-
-    async def _all(
-        self, units: list[Unit], calls: Sequence[Awaitable], step: int, phase: str
-    ) -> list:
-        """One call per unit at once; any failure is one error naming every failed unit."""
-        return await unit_calls.run_all(units, calls, step, phase, self.config, self._newest)
 
     # ---- lifetime -----------------------------------------------------------------------
 
@@ -673,10 +495,3 @@ def _cancelling() -> bool:
     task = asyncio.current_task()
     cancelling = getattr(task, "cancelling", None)
     return bool(cancelling()) if cancelling is not None else False
-
-
-def _may_abort(committing: bool, e: BaseException) -> bool:
-    """Whether a failed save may abort (remove its step): only before its commit began, or
-    when the commit says it wrote no COMMIT. A cancellation or an error after that may have
-    come after the step became visible: removing it would lose a committed step."""
-    return not committing or getattr(e, "not_committed", False)

@@ -1,7 +1,7 @@
 """What a commit sets going, as tasks of their own, and the commits whose follow-up was cut off.
 
 After a step commits, the coordinator retires an abandoned branch, pins the memory step and
-starts its persist, and runs retention (`CheckpointCoordinator._committed_follow_up`). That
+starts its persist, and runs retention (`Committer.follow_up`, committer.py). That
 work runs as a task the next save, load and `wait()` wait for, so that a save cancelled in or
 after its commit still leaves its step pinned and persisted, where a retry is told "already
 committed" (review 5, claim 5). A follow-up cut off (the end of an event loop cancels its task)

@@ -130,6 +130,8 @@ class Loader:
         calls = [u.prepare(where, recs, verify, opts) for u, recs, opts in plan]
         try:
             notes = await run_all(units, calls, step, "load", self.config, self.newest)
+        except GeneratorExit:  # closed unrun by a dropped loop: nothing can be awaited
+            raise
         except BaseException:
             await asyncio.gather(*(u.abort() for u in units), return_exceptions=True)
             raise

@@ -464,6 +464,8 @@ class MemoryTier:
                                                  "persisted copy differs from the manifest")  # fmt: skip
             if want:
                 raise CheckpointError(f"persisting step {step}: not written: {sorted(want)}")
+        except GeneratorExit:  # closed unrun by a dropped loop: nothing can be awaited
+            raise
         except BaseException:
             await self.io(commit.remove_step, durable, step)
             raise

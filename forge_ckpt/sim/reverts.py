@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from ..coordination import coordinator, timeline
+from ..coordination import committer, timeline
 from ..memory.tier import MemoryTier
 from ..steps import branch, commit, layout, lock
 from ..storage.s3 import S3Storage
@@ -21,7 +21,7 @@ def _abort_after_commit() -> None:
         store.delete_prefix(layout.step_name(step))
         return True
 
-    coordinator._may_abort = lambda committing, e: True
+    committer._may_abort = lambda committing, e: True
     commit.remove_if_uncommitted = remove_anyway
 
 
