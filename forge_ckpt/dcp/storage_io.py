@@ -21,6 +21,7 @@ import dataclasses
 import functools
 import io
 import os
+import pickle
 import threading
 from collections.abc import Generator
 from contextlib import contextmanager
@@ -28,6 +29,7 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import filesystem as dcp_filesystem
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.filesystem import FileSystemBase
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
@@ -38,6 +40,7 @@ from torch.distributed.checkpoint.planner import (
     WriteItem,
     WriteItemType,
 )
+from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from ..errors import CheckpointCorruptError
@@ -55,6 +58,7 @@ from .reader import (
 )
 
 METADATA = ".metadata"
+_DCP_VERSION = getattr(dcp_filesystem, "CURRENT_DCP_VERSION", "1.0.0")  # what DCP's finish sets
 MISFITS_SHOWN = 12  # a changed model can differ in hundreds of tensors: name the first ones
 
 
@@ -201,6 +205,21 @@ class SeamWriter(FileSystemWriter):
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         super().reset(None)  # the folder is ours, never DCP's checkpoint_id
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        """DCP's finish, with `.metadata` created in one create-only write. DCP writes a
+        temp file, deletes any `.metadata` there and renames: a stale rank (its job lost the
+        lease while it wrote) whose finish ran late would delete and replace the `.metadata`
+        of its successor's committed step of that number. Created only if absent, the
+        second of the two fails (the successor's save at worst, once, before its commit)."""
+        metadata.version = _DCP_VERSION
+        metadata.storage_data = {wr.index: wr.storage_data for rs in results for wr in rs}
+        metadata.storage_meta = self.storage_meta()
+        per_rank = not self.use_collectives and self.rank is not None  # as DCP names it
+        with self.seam.create_stream(
+            f"__{self.rank}{METADATA}" if per_rank else METADATA, "wb"
+        ) as f:
+            pickle.dump(metadata, f)
 
     @property
     def records(self) -> list[FileRecord]:

@@ -1,0 +1,94 @@
+"""A trainer rank's late DCP write (docs/protocol.md, rule 9): a rank of a job that lost the
+lease, held while it wrote step 2 (a stalled process, a slow disk), finishes after the
+successor removed that leftover step and saved its own step 2. Invariant I1 (nothing
+committed is lost): the late finish must not delete or replace the successor's `.metadata`.
+
+DCP's own finish writes `.metadata.tmp`, deletes any `.metadata` and renames over it; the
+SeamWriter creates `.metadata` once, create-only, so the late one fails and the successor's
+step loads as it was saved. Real DCP saves over a real local folder; the stale rank's finish
+is held on an Event in its own thread.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from forge_ckpt.dcp.storage_io import METADATA, SeamReader, SeamWriter
+from forge_ckpt.storage import open_storage
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+
+class HeldWriter(SeamWriter):
+    """A's rank: its shards are written, its finish waits for `go`."""
+
+    def __init__(self, *args: Any, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.reached, self.go = threading.Event(), threading.Event()
+
+    def finish(self, metadata: Any, results: Any) -> None:
+        self.reached.set()
+        assert self.go.wait(120)
+        super().finish(metadata, results)
+
+
+def state(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(256, 64, generator=g), "b": torch.randn(64, generator=g)}
+
+
+def test_a_stale_ranks_late_finish_never_replaces_the_successors_metadata(tmp_path: Path):
+    folder = tmp_path / "step-2"
+    folder.mkdir()
+    store = open_storage(str(folder))
+    stale = HeldWriter(store)
+    errors: list[BaseException] = []
+
+    def a_saves() -> None:
+        try:
+            dcp.save(state(1), storage_writer=stale, no_dist=True)
+        except BaseException as e:  # noqa: BLE001 (what A's rank raised, asserted below)
+            errors.append(e)
+
+    a = threading.Thread(target=a_saves)
+    a.start()
+    try:
+        assert stale.reached.wait(120)  # A's shards are written; its finish is held
+        for p in folder.iterdir():  # the successor removes the uncommitted leftover ...
+            p.unlink()
+        successor = SeamWriter(store)
+        dcp.save(state(2), storage_writer=successor, no_dist=True)  # ... and saves its own
+        records = {r.path: r for r in successor.records}  # what its manifest records
+        saved = (folder / METADATA).read_bytes()
+    finally:
+        stale.go.set()  # A's finish lands late
+        a.join(120)
+    print(f"A's late finish raised: {errors and repr(errors[0])[:200]}")
+    assert errors, "the stale rank's finish succeeded over the successor's step"
+    assert (folder / METADATA).read_bytes() == saved  # not deleted, not replaced
+    assert sorted(p.name for p in folder.iterdir() if "tmp" in p.name) == []
+    out = {k: torch.zeros_like(v) for k, v in state(0).items()}
+    dcp.load(out, storage_reader=SeamReader(store, records), no_dist=True)  # verified
+    for k, v in state(2).items():
+        assert torch.equal(out[k], v), k
+
+
+@pytest.mark.parametrize("reader", ["stock", "seam"])
+def test_a_step_written_this_way_loads_with_stock_dcp(tmp_path: Path, reader: str):
+    """`.metadata` written without DCP's temp file and rename is still what stock DCP reads."""
+    store = open_storage(str(tmp_path))
+    writer = SeamWriter(store)
+    dcp.save(state(3), storage_writer=writer, no_dist=True)
+    out = {k: torch.zeros_like(v) for k, v in state(0).items()}
+    if reader == "stock":
+        dcp.load(out, checkpoint_id=str(tmp_path), no_dist=True)
+    else:
+        records = {r.path: r for r in writer.records}
+        dcp.load(out, storage_reader=SeamReader(store, records), no_dist=True)
+    assert all(torch.equal(out[k], v) for k, v in state(3).items())
