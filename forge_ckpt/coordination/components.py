@@ -52,13 +52,13 @@ class Unit(ABC):
     name: str  # component name; "trainer" for trainer ranks
     index: int  # replica index or rank
     handle: Any
-    relpath: str  # the actor's file, as an earlier release named it; "" for trainer ranks
+    actor: bool  # an actor replica (its file is named here), not a trainer rank
     label: str = ""
 
     def save_path(self, attempt: str | None) -> str:
         """The file this unit writes in save attempt `attempt` (layout.actor_file); "" for a
         trainer rank, which names its own files."""
-        return layout.actor_file(self.name, self.index, attempt) if self.relpath else ""
+        return layout.actor_file(self.name, self.index, attempt) if self.actor else ""
 
     @abstractmethod
     def begin(
@@ -503,30 +503,29 @@ def must_verify(manifest: layout.Manifest) -> bool:
     return any(f.digest for f in manifest.files)
 
 
-def make_unit(name: str, index: int, handle: Any, relpath: str, label: str) -> Unit:
+def make_unit(name: str, index: int, handle: Any, actor: bool, label: str) -> Unit:
     """A RemoteUnit when the actor implements the protocol, else a PlainUnit."""
     if hasattr(handle, PROTOCOL_METHOD):
-        return RemoteUnit(name, index, handle, relpath, label)
+        return RemoteUnit(name, index, handle, actor, label)
     for method in ("state_dict", "load_state_dict"):
         if not hasattr(handle, method):
             raise TypeError(
                 f"actor {name!r} has no {method}() method: give it state_dict() and "
                 "load_state_dict(state), or inherit forge_ckpt.Checkpointable"
             )
-    return PlainUnit(name, index, handle, relpath, label)
+    return PlainUnit(name, index, handle, actor, label)
 
 
 def actor_group(
     name: str, handles: list[Any], reshard: ReshardRule | None = None, optional: bool = False
 ) -> Group:
     units = [
-        make_unit(name, i, h, layout.actor_file(name, i), f"actor {name!r} replica {i}")
-        for i, h in enumerate(handles)
+        make_unit(name, i, h, True, f"actor {name!r} replica {i}") for i, h in enumerate(handles)
     ]
     return Group(name, units, reshard, optional)
 
 
 def trainer_group(handles: list[Any]) -> TrainerGroup:
     name = layout.TRAINER
-    units = [make_unit(name, r, h, "", f"trainer rank {r}") for r, h in enumerate(handles)]
+    units = [make_unit(name, r, h, False, f"trainer rank {r}") for r, h in enumerate(handles)]
     return TrainerGroup(name, units)
