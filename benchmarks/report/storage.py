@@ -54,6 +54,11 @@ RATES: dict[str, tuple[str, str, Fn]] = {
         _rate("local_forge", "load_s"),
     ),  # fmt: skip
     "local_raw_read": ("local", "raw cold read", _rate("local_raw", "read_s")),
+    "local_raw_read_fresh": (
+        "local",
+        "raw cold read into new memory",
+        _rate("local_raw", "read_fresh_s"),
+    ),
     "local_forge_dcp_load": (
         "local",
         "forge_ckpt DCP read (SeamReader), cold",
@@ -96,6 +101,12 @@ RATIOS: dict[str, tuple[str, str, str, tuple[str, float] | None]] = {
         "local_raw_read",
         (">=", 0.9),
     ),
+    "local_load_vs_fresh": (
+        "Local: forge_ckpt load / raw cold read into new memory",
+        "local_forge_load",
+        "local_raw_read_fresh",
+        None,
+    ),
     "local_dcp_load_vs_filesystem": (
         "Local: forge_ckpt DCP read / DCP FileSystemReader",
         "local_forge_dcp_load",
@@ -120,11 +131,20 @@ CPU: dict[str, tuple[str, Fn]] = {
     "dcp_save": ("DCP FileSystemWriter", _cpu("local_dcp", "save_cpu_s")),
     "forge_load": ("forge_ckpt load, verified, cold", _cpu("local_forge", "load_cpu_s")),
     "raw_read": ("raw cold read", _cpu("local_raw", "read_cpu_s")),
+    "raw_read_fresh": ("raw cold read into new memory", _cpu("local_raw", "read_fresh_cpu_s")),
     "dcp_load": ("DCP FileSystemReader, cold", _cpu("local_dcp", "load_cpu_s")),
 }
-CPU_RATIOS = {  # forge_ckpt / raw, target <= 1.5 (issue 23)
-    "save": ("forge_ckpt save / raw write + fsync", "forge_save", "raw_write"),
-    "load": ("forge_ckpt load / raw cold read", "forge_load", "raw_read"),
+# forge_ckpt / raw; judged: against the target <= 1.5 (issue 23), else for reference: a load
+# into new memory pays a page fault per 4 KiB, which the reused buffer of the raw read does not
+CPU_RATIOS = {
+    "save": ("forge_ckpt save / raw write + fsync", "forge_save", "raw_write", True),
+    "load": ("forge_ckpt load / raw cold read", "forge_load", "raw_read", True),
+    "load_fresh": (
+        "forge_ckpt load / raw cold read into new memory",
+        "forge_load",
+        "raw_read_fresh",
+        False,
+    ),
 }
 CPU_GOAL = 1.5
 
@@ -134,10 +154,10 @@ def cpu_summary(storage: dict) -> dict[str, Any]:
     rows = storage["trials"]
     per = {k: series(rows, fn) for k, (_, fn) in CPU.items()}
     ratios = {}
-    for key, (_, num, den) in CPU_RATIOS.items():
+    for key, (_, num, den, judged) in CPU_RATIOS.items():
         xs = series(rows, _ratio(CPU[num][1], CPU[den][1]))
         m = med(xs)
-        ratios[key] = {"values": xs, "met": None if m is None else m <= CPU_GOAL}
+        ratios[key] = {"values": xs, "met": None if m is None or not judged else m <= CPU_GOAL}
     return {"cpu_s_per_gib": per, "ratios": ratios}
 
 
@@ -148,9 +168,10 @@ def _cpu_section(storage: dict) -> list[str]:
     rows = [[f"local: {label}", fmt(summary["cpu_s_per_gib"][k])] for k, (label, _) in CPU.items()]
     md = [table(["CPU-seconds per GiB (user + system, all threads)", "median (min-max)"], rows)]
     ratio_rows = [
-        [f"CPU per GiB: {label}", f"<= {CPU_GOAL}", fmt(summary["ratios"][k]["values"]),
-         met(summary["ratios"][k])]
-        for k, (label, _, _) in CPU_RATIOS.items()
+        [f"CPU per GiB: {label}", f"<= {CPU_GOAL}" if judged else "-",
+         fmt(summary["ratios"][k]["values"]), met(summary["ratios"][k]) if judged else "-"]
+        for k, (label, _, _, judged) in CPU_RATIOS.items()
+        if summary["ratios"][k]["values"]
     ]  # fmt: skip
     md.append("")
     md.append(table(["CPU ratio (paired per trial)", "Target", "Measured", "Result"], ratio_rows))

@@ -206,15 +206,19 @@ def dcp_fs_load(path: str, target: dict[str, torch.Tensor]) -> tuple[float, floa
 
 
 def raw_local(path: str, nbytes: int, cache: str) -> dict[str, float]:
-    """Raw write + fsync of `nbytes` into one file, then its cold read (benchmarks.disk)."""
+    """Raw write + fsync of `nbytes` into one file, then its cold read (benchmarks.disk), into
+    one reused buffer and into new memory."""
     write_s, write_cpu = disk.python_write_cpu(path, nbytes)
     read_s, read_cpu = disk.cold_read_cpu(path, cache)
+    fresh_s, fresh_cpu = disk.cold_read_fresh_cpu(path, cache)
     disk.remove(path)
     return {
         "write_s": write_s,
         "write_cpu_s": write_cpu,
         "read_s": read_s,
         "read_cpu_s": read_cpu,
+        "read_fresh_s": fresh_s,
+        "read_fresh_cpu_s": fresh_cpu,
         "bytes": nbytes,
     }
 
