@@ -50,7 +50,7 @@ class Plain:
 
 
 def config(folder: str, **kw: Any) -> CheckpointConfig:
-    return held_config(folder, async_mode="async", **kw)
+    return held_config(folder, async_mode="deferred", **kw)
 
 
 def lease(folder: str) -> dict:

@@ -341,7 +341,7 @@ async def test_corrupt_file_detected_and_nothing_applied(ray_local, tmp_path, ca
 
 
 async def test_async_save_snapshot_is_the_cut(ray_local, tmp_path):
-    cfg = config(tmp_path, async_mode="async")
+    cfg = config(tmp_path, async_mode="deferred")
     coord, samplers, stats = await build(cfg)
     await run_steps(samplers, stats, 2)
     at_save = await samplers[0].get.remote()
@@ -358,7 +358,7 @@ async def test_async_save_snapshot_is_the_cut(ray_local, tmp_path):
 
 
 async def test_async_background_failure_is_raised_by_wait(ray_local, tmp_path, monkeypatch):
-    cfg = config(tmp_path, async_mode="async")
+    cfg = config(tmp_path, async_mode="deferred")
     coord, samplers, stats = await build(cfg)
     await coord.save(1)
     await coord.wait()

@@ -123,7 +123,7 @@ async def test_cuda_rng_streams_and_tensors_resume(ray_local, tmp_path):
     ray.kill(fresh)
 
 
-@pytest.mark.parametrize("async_mode", ["sync", "async"])
+@pytest.mark.parametrize("async_mode", ["sync", "deferred"])
 async def test_gpu_trainer_resumes_bitwise(ray_local, tmp_path, async_mode):
     cfg = CheckpointConfig(folder=str(tmp_path / "ckpt"), async_mode=async_mode)
     trainer_cls = ray.remote(num_gpus=0.5)(CudaTrainer)

@@ -70,7 +70,9 @@ def test_async_save_event_comes_when_committed(ray_local, tmp_path):
         raise RuntimeError("dashboard down")
 
     async def run():
-        config = CheckpointConfig(folder=str(tmp_path), async_mode="async", on_event=broken)
+        with pytest.warns(FutureWarning, match="is deprecated and now means 'deferred'"):
+            config = CheckpointConfig(folder=str(tmp_path), async_mode="async", on_event=broken)
+        assert config.async_mode == "deferred"  # the old name still runs, as the new mode
         coord = CheckpointCoordinator(config)
         coord.register("sampler", Sampler.remote(1))
         result = await coord.save(5)

@@ -358,7 +358,9 @@ def test_driver_sigkill_resumes_from_memory(nodes, s3_folder, tmp_path):
 
 async def test_budget_and_foreign_holders(nodes, s3_folder, caplog):
     opts = s3_folder.options
-    coord = CheckpointCoordinator(config(s3_folder.url, opts, fingerprint="A", async_mode="async"))
+    coord = CheckpointCoordinator(
+        config(s3_folder.url, opts, fingerprint="A", async_mode="deferred")
+    )
     actor = cu.Buffer.options(**cu.on("node_a")).remote(0)
     coord.register("replay", actor)
     await coord.save(1)

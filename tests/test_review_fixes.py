@@ -41,7 +41,7 @@ async def test_failed_async_save_does_not_wedge_the_trainer(rank_cls, tmp_path):
     ranks = spawn_trainer_ranks(rank_cls, 1)
     ray.get([r.setup.remote(0) for r in ranks])
     sampler = Sampler.remote(1)
-    coord = CheckpointCoordinator(config(tmp_path, async_mode="async"))
+    coord = CheckpointCoordinator(config(tmp_path, async_mode="deferred"))
     coord.set_trainer(ranks)
     coord.register("sampler", sampler)
     await coord.save(1)

@@ -71,7 +71,7 @@ def test_endpoint_down_at_start(proxied):
 
 async def test_endpoint_down_before_and_during_a_save(ray_local, proxied):
     proxy, url, options = proxied
-    coord, samplers, stats = await build(cfg(url, options, async_mode="async"))
+    coord, samplers, stats = await build(cfg(url, options, async_mode="deferred"))
     await run_steps(samplers, stats, 1)
     await coord.save(1)
     await coord.wait()

@@ -487,7 +487,7 @@ async def test_failing_fsync_in_actor_and_trainer_processes(actors, disk, tmp_pa
 async def test_async_background_write_hits_full_disk(actors, disk, caplog):
     big, _ = actors
     mnt = disk.mount("8m")
-    coord = disk.coordinator(os.path.join(mnt, "ckpt"), big, async_mode="async")
+    coord = disk.coordinator(os.path.join(mnt, "ckpt"), big, async_mode="deferred")
     folder = coord.config.folder
     await big.configure.remote(1, SMALL)
     await coord.save(1)
