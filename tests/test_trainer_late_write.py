@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import CheckpointException
 
 from forge_ckpt.dcp.storage_io import METADATA, SeamReader, SeamWriter
 from forge_ckpt.storage import open_storage
@@ -92,3 +93,20 @@ def test_a_step_written_this_way_loads_with_stock_dcp(tmp_path: Path, reader: st
         records = {r.path: r for r in writer.records}
         dcp.load(out, storage_reader=SeamReader(store, records), no_dist=True)
     assert all(torch.equal(out[k], v) for k, v in state(3).items())
+
+
+@pytest.mark.parametrize("late", ["__0_0.distcp", "__0_1.distcp"])
+def test_a_file_that_fails_in_a_dcp_writer_thread_fails_the_save(tmp_path: Path, late: str):
+    """Review 20, claim 1: DCP writes files in helper threads beside the caller's and only
+    prints a helper's error. A stale rank's late data file met the successor's create-only
+    write there, and the successor's save returned without that file: it committed a step
+    whose `.metadata` lacked those items (a step that could not be loaded). Both files are
+    tried, so whichever thread writes it, the save must fail and name the file."""
+    store = open_storage(str(tmp_path))
+    store.write(late, b"a stale rank's late bytes", exclusive=True)
+    writer = SeamWriter(store, thread_count=2)
+    big = {f"t{i}": torch.full((4096,), float(i)) for i in range(8)}  # two files of 4 items
+    with pytest.raises(CheckpointException, match=f"{late} already exists") as e:
+        dcp.save(big, storage_writer=writer, no_dist=True)
+    print(f"\n{late}: {str(e.value)[:300]}")
+    assert not (tmp_path / METADATA).exists()  # nothing for a commit to vouch for
