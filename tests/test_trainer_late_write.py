@@ -20,6 +20,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException
 
+from forge_ckpt import CheckpointCorruptError
+from forge_ckpt.dcp.metadata import check_complete, load_metadata
 from forge_ckpt.dcp.storage_io import METADATA, SeamReader, SeamWriter
 from forge_ckpt.storage import open_storage
 
@@ -110,3 +112,20 @@ def test_a_file_that_fails_in_a_dcp_writer_thread_fails_the_save(tmp_path: Path,
         dcp.save(big, storage_writer=writer, no_dist=True)
     print(f"\n{late}: {str(e.value)[:300]}")
     assert not (tmp_path / METADATA).exists()  # nothing for a commit to vouch for
+
+
+def test_metadata_without_an_items_data_is_a_damaged_step(tmp_path: Path):
+    """Defense in depth for the above: a `.metadata` that records no data for an item, or
+    puts it in a file the manifest does not list, is refused while preparing (a damaged
+    step, which `fallback` passes over), not halfway through DCP's apply."""
+    store = open_storage(str(tmp_path))
+    writer = SeamWriter(store)
+    dcp.save(state(4), storage_writer=writer, no_dist=True)
+    listed = {r.path for r in writer.records}
+    metadata = load_metadata((tmp_path / METADATA).read_bytes(), METADATA)
+    check_complete(metadata, listed, METADATA)  # as written: complete
+    with pytest.raises(CheckpointCorruptError, match="does not list"):
+        check_complete(metadata, listed - {"__0_1.distcp"}, METADATA)
+    metadata.storage_data.pop(next(iter(metadata.storage_data)))
+    with pytest.raises(CheckpointCorruptError, match="records no data for"):
+        check_complete(metadata, listed, METADATA)

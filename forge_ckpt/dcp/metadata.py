@@ -46,6 +46,7 @@ import functools
 import io
 import pathlib
 import pickle
+from collections.abc import Collection
 from typing import Any
 
 import torch
@@ -172,3 +173,26 @@ def load_metadata(
     if buffer.tell() != len(raw):
         raise CheckpointCorruptError(path, "DCP metadata has trailing bytes after its pickle")
     return result
+
+
+def check_complete(metadata: _dcp_md.Metadata, listed: Collection[str], path: str) -> None:
+    """Every item `.metadata` describes has its bytes recorded, in a file the manifest lists.
+    A save that lost a file yet wrote `.metadata` (a DCP writer thread's error was only
+    printed: review 20) left items without data; DCP found that only halfway through the
+    apply. Refused while preparing, the step is damaged (`fallback` passes over it)."""
+    data = metadata.storage_data or {}
+    for fqn, md in metadata.state_dict_metadata.items():
+        if isinstance(md, _dcp_md.TensorStorageMetadata):
+            keys = [_dcp_md.MetadataIndex(fqn, torch.Size(c.offsets)) for c in md.chunks]
+        else:
+            keys = [_dcp_md.MetadataIndex(fqn)]
+        for key in keys:
+            info = data.get(key)
+            if info is None:
+                raise CheckpointCorruptError(path, f"DCP metadata records no data for {fqn!r}")
+            if info.relative_path not in listed:
+                raise CheckpointCorruptError(
+                    path,
+                    f"DCP metadata puts {fqn!r} in {info.relative_path}, a file the manifest "
+                    "does not list",
+                )

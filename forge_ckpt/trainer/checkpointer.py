@@ -54,7 +54,7 @@ from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersCon
 
 from .. import serialization
 from ..actors import rng
-from ..dcp.metadata import load_metadata
+from ..dcp.metadata import check_complete, load_metadata
 from ..dcp.reader import FileIdentity
 from ..dcp.storage_io import METADATA, SavePlanner, SeamReader, SeamWriter, misfits, verify_local
 from ..errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
@@ -411,6 +411,7 @@ class TrainerCheckpointer:
         seen: dict[str, FileIdentity] = {}
         if not verify:
             return cache, seen, metadata
+        check_complete(metadata, recs, store.where(DCP_METADATA))
         keep = store.local_path() is None  # an object store: keep what was downloaded
         for path in (p for p in sorted(recs) if self._checks(p)):
             if keep:
