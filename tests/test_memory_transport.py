@@ -13,10 +13,10 @@ import threading
 import pytest
 
 from forge_ckpt.errors import CheckpointCorruptError
-from forge_ckpt.memory import transport
-from forge_ckpt.memory.holder import MemoryBudgetError
+from forge_ckpt.memory import cluster, transport
+from forge_ckpt.memory.holder import Holder, MemoryBudgetError
 from forge_ckpt.memory.transport import Endpoint, Feed, Server, TransportError
-from forge_ckpt.storage.base import Checksums, FileRecord, check_record
+from forge_ckpt.storage.base import AlreadyExistsError, Checksums, FileRecord, check_record
 
 
 class Table:
@@ -118,3 +118,48 @@ def test_broken_streams_are_transport_errors(holder):
     free.stop()
     with pytest.raises(TransportError, match="connecting"):
         transport.get(gone, "k")
+
+
+class OneNode(cluster.RayCluster):
+    def node_id(self) -> str:
+        return "node0"
+
+
+@pytest.fixture
+def real_holder():
+    """A real `Holder` (its file table, its refusals) behind a listener in this process."""
+    old = cluster.install(OneNode())
+    try:
+        h = Holder("run", "fp", budget=1 << 26, keep=4, listen=False)
+        server = Server("127.0.0.1", h)
+        yield h, server.endpoint
+        server.stop()
+    finally:
+        cluster.install(old)
+
+
+@pytest.mark.parametrize("via", ["stream", "call"])
+def test_a_create_only_put_never_replaces_another_file(real_holder, via):
+    """Review 20, claim 2: a stale job shares its successor's holders, and a late write of
+    its trainer rank (same name as the successor's file) replaced the successor's committed
+    memory file: its verified load failed, an unverified one returned the stale weights.
+    A step's files are put create-only: another file of that name is refused (and kept as
+    it was); the same bytes again are a retry's, accepted."""
+    h, ep = real_holder
+    mine, stale = os.urandom(5000), os.urandom(5000)
+    key = "run/step-2/trainer/.metadata"
+
+    def put(data: bytes, exclusive: bool = True) -> None:
+        rec = transport.record_dict(FileRecord.from_dict(record(data)), exclusive)
+        if via == "stream":
+            transport.put(ep, key, memoryview(data), rec)
+        else:
+            h.put(key, [data], rec)
+
+    put(mine)
+    with pytest.raises(AlreadyExistsError, match="another writer"):
+        put(stale)
+    assert h.files[key] == mine
+    put(mine)  # a retry of the successor's own put (its reply lost)
+    put(stale, exclusive=False)  # what a non-exclusive write (a scratch file) may do
+    assert h.files[key] == stale

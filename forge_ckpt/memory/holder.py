@@ -17,6 +17,7 @@ guards the file table; bytes are fetched, checksummed and written outside it.
 
 from __future__ import annotations
 
+import errno
 import re
 import threading
 from typing import Any
@@ -26,6 +27,8 @@ import ray
 
 from ..errors import CheckpointError
 from ..storage.base import (
+    ANOTHER,
+    AlreadyExistsError,
     Checksums,
     FileRecord,
     StorageSpec,
@@ -34,7 +37,7 @@ from ..storage.base import (
     crc32c_of_bytes,
 )
 from .cluster import current
-from .transport import Server
+from .transport import CREATE_ONLY, Server
 
 _STEP_RE = re.compile(r"^step-(\d+)(/|$)")
 MAX_CONCURRENCY = 16  # calls a holder serves at once (puts of many writers, reads, a persist)
@@ -134,6 +137,11 @@ class Holder:
         where = f"mem holder {self.node_id[:8]}:{key}"
         check_record(where, sums.size, f"{sums.crc:08x}", rec, sums.record(key))
         with self._lock:
+            old = self.files.get(key)
+            if record.get(CREATE_ONLY) and old is not None and not _same(old, rec):
+                # a stale job's late write (it shares its successor's holders): never over
+                # a file of the successor's step (review 20); the same bytes are a retry's
+                raise AlreadyExistsError(errno.EEXIST, f"{where} already exists: {ANOTHER}")
             self._make_room(key, len(buf))
             self.files[key] = buf
 
@@ -276,3 +284,7 @@ def _algo(rec: FileRecord) -> str | None:
 
 _OPTIONS: dict[str, Any] = {"num_cpus": 0, "max_restarts": 0, "max_concurrency": MAX_CONCURRENCY}
 HolderActor: Any = ray.remote(**_OPTIONS)(Holder)
+
+
+def _same(data: bytes | bytearray, rec: FileRecord) -> bool:
+    return len(data) == rec.size and crc32c_of_bytes(data) == rec.crc32c

@@ -193,9 +193,11 @@ class MemoryStorage(Storage):
         data: Any,
         record: FileRecord,
         placed: Sequence[str] = (),
+        exclusive: bool = False,
     ) -> list[str]:
         """Hand `data` to `copies` live holders (other nodes first), streamed to all of a
-        batch at once; the node ids that ack. `placed`: nodes that already have it."""
+        batch at once; the node ids that ack. `placed`: nodes that already have it;
+        `exclusive`: a holder with another file of that name refuses it."""
         key = self.key(path)
         me = current().node_id()
         order = [h for h in preference(key, self.holders, me) if h[1] not in placed]
@@ -205,7 +207,10 @@ class MemoryStorage(Storage):
         tried: list[str] = []
         while len(done) < self.copies and order:
             batch, order = order[: self.copies - len(done)], order[self.copies - len(done) :]
-            futs = [(h, current().submit(self._place, h, key, view, record, slow)) for h in batch]
+            futs = [
+                (h, current().submit(self._place, h, key, view, (record, exclusive), slow))
+                for h in batch
+            ]
             for h, fut in futs:
                 problem = fut.result()
                 if problem is None:
@@ -223,31 +228,35 @@ class MemoryStorage(Storage):
         return done
 
     def _place(
-        self, h: HolderRef, key: str, view: memoryview, record: FileRecord, slow: _ViaRay
+        self,
+        h: HolderRef,
+        key: str,
+        view: memoryview,
+        record: tuple[FileRecord, bool],
+        slow: _ViaRay,
     ) -> str | None:
         """One copy: streamed, or through Ray when the holder lives but cannot be streamed
-        to. None when placed, else why not; a holder's refusal (budget, checksum) raises."""
-        rec = record.to_dict()
+        to. None when placed, else why not; a holder's refusal (budget, checksum, another
+        file of that name where `record`'s flag says exclusive) raises."""
+        rec = transport.record_dict(*record)
         how, why = self.direct(h, lambda ep: transport.put(ep, key, view, rec))
         if how == "ok":
             return None
         if how == DEAD:
             return str(why)
-        what = (key, slow.get(), record)
+        what = (key, slow.get(), rec)
         return self._await_put(h, self._put(h, what, refresh=False), what)
 
-    def _put(self, h: HolderRef, what: tuple[str, Any, FileRecord], refresh: bool) -> Any | None:
+    def _put(self, h: HolderRef, what: tuple[str, Any, dict], refresh: bool) -> Any | None:
         """Start one holder's put of (key, object ref or the small file's bytes, record); None
         if there is no such holder (any more)."""
         key, ref, record = what
         try:
-            return self.handle(h[0], refresh).put.remote(key, [ref], record.to_dict())
+            return self.handle(h[0], refresh).put.remote(key, [ref], record)
         except ValueError:
             return None
 
-    def _await_put(
-        self, h: HolderRef, fut: Any | None, what: tuple[str, Any, FileRecord]
-    ) -> str | None:
+    def _await_put(self, h: HolderRef, fut: Any | None, what: tuple[str, Any, dict]) -> str | None:
         """Wait for a put; once more with a fresh handle if this process's cached one is of
         a holder that was replaced. None when the copy is placed, else why not."""
         problem = "no holder"
@@ -267,10 +276,11 @@ class MemoryStorage(Storage):
 
     # ---- writing ---------------------------------------------------------------------------
     def writer(self, path: str, exclusive: bool = False) -> Writer:
-        """`exclusive` is moot here: a run's memory steps are its own (the incarnation)."""
+        """`exclusive`: a holder keeping another file of this name refuses it (a stale job
+        shares its successor's holders: its late write must not replace a committed file)."""
         from .writer import MemWriter
 
-        return MemWriter(self, path)
+        return MemWriter(self, path, exclusive)
 
     def publish(self, path: str, data: bytes) -> FileRecord:
         self._everywhere(path, data, overwrite=True)

@@ -17,6 +17,7 @@ only a process that can call the holder through Ray can write to it or read from
 from __future__ import annotations
 
 import contextlib
+import errno
 import hmac
 import json
 import os
@@ -30,13 +31,14 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from ..errors import CheckpointCorruptError
-from ..storage.base import Checksums, StorageError
+from ..storage.base import AlreadyExistsError, Checksums, FileRecord, StorageError
 
 CHUNK = 8 * 1024**2  # bytes per recv_into: checksummed while the next ones arrive
 CONNECT_TIMEOUT_S = 10.0
 IO_TIMEOUT_S = 300.0  # a stalled transfer fails (then Ray decides whether the holder lives)
 MAX_HEADER = 1 << 20
 _LEN = struct.Struct("!I")
+CREATE_ONLY = "create_only"  # in a put's record: refused where another file of the name is kept
 
 
 class TransportError(OSError):
@@ -203,9 +205,16 @@ class Server:
         self._listener.stop()
 
 
+def record_dict(record: FileRecord, exclusive: bool) -> dict[str, Any]:
+    """What a holder is sent with a file's bytes: their record, and whether to refuse them
+    where another file of that name is kept (`Holder.accept`)."""
+    return {**record.to_dict(), CREATE_ONLY: True} if exclusive else record.to_dict()
+
+
 def error_header(e: BaseException) -> dict[str, Any]:
     """A holder's refusal, rebuilt as the same error on the client (`remote_error`)."""
-    out: dict[str, Any] = {"ok": False, "error": type(e).__name__, "message": str(e)}
+    text = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+    out: dict[str, Any] = {"ok": False, "error": type(e).__name__, "message": text}
     if isinstance(e, CheckpointCorruptError):
         out.update(path=e.path, problem=e.problem, hint=e.hint)
     return out
@@ -221,6 +230,8 @@ def remote_error(h: dict[str, Any]) -> Exception:
         return CheckpointCorruptError(str(h["path"]), str(h["problem"]), h.get("hint"))
     if name == "TransportError":
         return TransportError(msg)
+    if name == "AlreadyExistsError":
+        return AlreadyExistsError(errno.EEXIST, msg)
     return StorageError(f"memory holder: {name}: {msg}")
 
 

@@ -27,8 +27,9 @@ STREAM_MIN = 4 * 1024**2  # smaller files are sent whole at close (one round tri
 
 
 class MemWriter(Writer):
-    def __init__(self, store: MemoryStorage, path: str) -> None:
-        self.store, self.path = store, path
+    def __init__(self, store: MemoryStorage, path: str, exclusive: bool = False) -> None:
+        """`exclusive`: a holder that has another file of this name refuses this one."""
+        self.store, self.path, self.exclusive = store, path, exclusive
         self.buf = bytearray()
         self.pos = 0  # bytes written (into `buf` when streaming)
         self.sums = Checksums(store.digest)
@@ -78,12 +79,12 @@ class MemWriter(Writer):
         placed: list[str] = []
         if self.feed is not None:
             if self.pos == len(self.buf):
-                self.feed.finish(record.to_dict())
+                self.feed.finish(transport.record_dict(record, self.exclusive))
                 placed = end_streams(self.streams)
             else:
                 self._stop_streams()
         data, self.buf = memoryview(self.buf)[: self.pos], bytearray()
-        self.store.put_copies(self.path, data, record, placed)
+        self.store.put_copies(self.path, data, record, placed, self.exclusive)
         return record
 
     def abort(self) -> None:
