@@ -136,15 +136,16 @@ class LocalWriter(Writer):
         """Remove the partial file, if the name is still ours: a successor may have removed
         the folder and written its own file under this name since."""
         self._buf = bytearray()
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
-        try:
-            now = os.stat(self.full)
+        try:  # compared while our file is still open: its inode number cannot be reused
+            now = os.stat(self.full)  # by a successor's file until it is closed (review 20)
             if (now.st_dev, now.st_ino) == self._id:
                 os.unlink(self.full)
         except FileNotFoundError:
             pass
+        finally:
+            if self._fd >= 0:
+                os.close(self._fd)
+                self._fd = -1
 
 
 class LocalStorage(Storage):
