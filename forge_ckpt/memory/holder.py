@@ -213,9 +213,17 @@ class Holder:
         view = np.frombuffer(data, dtype=np.uint8)[start:end]
         return len(data) if limit is not None and len(view) > limit else view
 
-    def has(self, keys: list[str]) -> list[bool]:
+    def has(self, keys: list[str], records: list[tuple[int, str]] | None = None) -> list[bool]:
+        """Which of `keys` this holder keeps; with `records` ((size, crc32c) per key), only
+        copies that match them (a stale job's late write may have left another file)."""
         with self._lock:
-            return [k in self.files for k in keys]
+            found = [self.files.get(k) for k in keys]
+        if records is None:
+            return [d is not None for d in found]
+        return [
+            d is not None and len(d) == size and crc32c_of_bytes(d) == crc
+            for d, (size, crc) in zip(found, records, strict=True)
+        ]
 
     def sizes(self, prefix: str = "") -> dict[str, int]:
         with self._lock:

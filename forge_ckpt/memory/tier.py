@@ -477,12 +477,18 @@ class MemoryTier:
         """Each file is written by one live holder that has it, holders in parallel."""
         prefix = layout.step_name(manifest.step)
         keys = [f"{prefix}/{f.path}" for f in manifest.files]
-        has = await self.to_thread(self.store.on_all, "has", keys)
+        # copies that match the manifest: a stale job's late write may have left another
+        # file of the name on a holder that had none (review 21)
+        records = [(f.size, f.crc32c) for f in manifest.files]
+        has = await self.to_thread(self.store.on_all, "has", keys, records)
         jobs: dict[HolderRef, list[tuple[str, str]]] = {}
         for i, (f, key) in enumerate(zip(manifest.files, keys, strict=True)):
             owner = next((ref for ref, flags in has if flags[i]), None)
             if owner is None:
-                raise CheckpointError(f"persisting step {manifest.step}: {key} has no copy left")
+                raise CheckpointError(
+                    f"persisting step {manifest.step}: {key} has no copy left that matches "
+                    "the manifest"
+                )
             jobs.setdefault(owner, []).append((key, f.path))
         calls = [self.store.handle(ref[0]).persist.remote(spec, job) for ref, job in jobs.items()]
         results = await asyncio.gather(*calls)

@@ -42,7 +42,8 @@ class AlreadyExistsError(StorageError):
 # Why an exclusive data write found its file there: the folder was prepared empty by the save.
 ANOTHER = (
     "another writer wrote this step's file (a job or an actor that had lost the folder's lease "
-    "and still wrote); this save is not committed, nothing committed is touched"
+    "and still wrote, or a late write of an earlier attempt of this save); this save is not "
+    "committed, nothing committed is touched; retry the save (its step is prepared afresh)"
 )
 
 
