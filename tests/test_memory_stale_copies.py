@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from forge_ckpt.memory import cluster
+from forge_ckpt.memory import cluster, transport
 from forge_ckpt.memory.holder import Holder
 from forge_ckpt.memory.placement import holder_name
 from forge_ckpt.memory.transport import Server
@@ -104,6 +104,7 @@ def tier() -> Iterator[tuple[Nodes, Any, dict[str, Holder]]]:
     finally:
         for s in servers:
             s.stop()
+            transport._POOL.drop(s.endpoint)  # this process's idle connections to it
         cluster.install(old)
 
 

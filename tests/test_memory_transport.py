@@ -53,6 +53,7 @@ def holder():
     server = Server("127.0.0.1", table)
     yield table, server.endpoint
     server.stop()
+    transport._POOL.drop(server.endpoint)  # this process's idle connections to it
 
 
 def test_put_get_and_ranges(holder):
@@ -134,6 +135,7 @@ def real_holder():
         server = Server("127.0.0.1", h)
         yield h, server.endpoint
         server.stop()
+        transport._POOL.drop(server.endpoint)
     finally:
         cluster.install(old)
 
