@@ -12,16 +12,22 @@ refusals and the reads are the product's own.
 
 from __future__ import annotations
 
+import asyncio
 import os
-from collections.abc import Callable, Iterator
+import types
+from collections.abc import Callable, Generator, Iterator
 from typing import Any
 
 import pytest
 
+from forge_ckpt.errors import CheckpointCorruptError
 from forge_ckpt.memory import cluster, transport
+from forge_ckpt.memory import store as memstore
 from forge_ckpt.memory.holder import Holder
 from forge_ckpt.memory.placement import holder_name
+from forge_ckpt.memory.tier import MemoryTier
 from forge_ckpt.memory.transport import Server
+from forge_ckpt.steps import layout
 from forge_ckpt.storage import FileRecord, StorageSpec, open_storage
 from forge_ckpt.storage.base import AlreadyExistsError
 
@@ -30,13 +36,19 @@ PATH = "step-5/trainer/__0_0.distcp"
 
 
 class _Done:
-    """A call's outcome, as a Ray object ref would carry it."""
+    """A call's outcome, as a Ray object ref would carry it (awaitable, as a ref is)."""
 
     def __init__(self, fn: Callable[[], Any]) -> None:
         try:
             self.value, self.error = fn(), None
         except Exception as e:  # raised by `get`, as Ray raises a task's error
             self.value, self.error = None, e
+
+    def __await__(self) -> Generator[None, None, Any]:
+        if self.error is not None:
+            raise self.error
+        return self.value
+        yield  # a generator: what `await` needs
 
 
 class _Method:
@@ -76,7 +88,9 @@ class Nodes(cluster.RayCluster):
             raise ValueError(name)
         return _Handle(self.holders[name])
 
-    def get(self, ref: _Done, timeout: float | None = None) -> Any:
+    def get(self, ref: Any, timeout: float | None = None) -> Any:
+        if not isinstance(ref, _Done):  # an object `put` stored: the object itself
+            return ref
         if ref.error is not None:
             raise ref.error
         return ref.value
@@ -100,11 +114,14 @@ def tier() -> Iterator[tuple[Nodes, Any, dict[str, Holder]]]:
             nodes.holders[name] = by_node[n] = h
             refs.append((name, n))
         spec = StorageSpec("mem://run", {"holders": tuple(refs), "copies": 2})
-        yield nodes, open_storage(spec), by_node
+        store = open_storage(spec)
+        yield nodes, store, by_node
     finally:
         for s in servers:
             s.stop()
             transport._POOL.drop(s.endpoint)  # this process's idle connections to it
+        for name, _ in refs:  # the next test's holders of these names listen elsewhere
+            memstore.forget(store.namespace, name)
         cluster.install(old)
 
 
@@ -136,3 +153,62 @@ def test_a_late_write_from_another_node_never_replaces_what_a_verified_read_retu
     # the persist's owner: a holder whose copy matches the manifest's record
     matching = [holders[n].has([PATH], [(rec.size, rec.crc32c)]) for n in NODES]
     assert matching == [[True], [False], [True]]
+
+
+def persisted(store: Any, rec: FileRecord, folder: Any) -> tuple[list[FileRecord], bytes]:
+    """What a persist of a step holding only this file writes to the durable `folder`: the
+    records it reports (`MemoryTier.persist` checks them against the manifest) and bytes."""
+    inside = PATH.split("/", 1)[1]  # the file's path in its step
+    files = [FileRecord(inside, rec.size, rec.crc32c)]
+    manifest = layout.Manifest(
+        step=5, components={"trainer": layout.Component("trainer", 1, files)}
+    )
+    (folder / "step-5" / "trainer").mkdir(parents=True)  # what prepare_step makes
+
+    async def run(fn: Any, *args: Any) -> Any:
+        return fn(*args)
+
+    tier = types.SimpleNamespace(store=store, to_thread=run)
+    spec = StorageSpec(str(folder / "step-5"))
+    written = asyncio.run(MemoryTier._holders_write(tier, manifest, spec))  # type: ignore[arg-type]
+    return written, (folder / "step-5" / inside).read_bytes()
+
+
+@pytest.mark.parametrize("holders", ["current", "earlier release"])
+def test_a_persist_writes_a_copy_that_matches_the_manifest(tier, tmp_path, monkeypatch, holders):
+    """B keeps the stale copy and comes first for the persist: the owner is a holder whose
+    copy matches. Holders of an earlier release (a driver upgraded within a live run adopts
+    them) take `has(keys)` only: the persist still runs (checked against the manifest after
+    the write, as before)."""
+    nodes, store, by_node = tier
+    committed, stale = os.urandom(200_000), os.urandom(200_000)
+    rec = put(nodes, store, "B", committed)
+    with pytest.raises(AlreadyExistsError):
+        put(nodes, store, "C", stale)
+    store.holders = tuple(sorted(store.holders, key=lambda r: r[1] != "B"))  # B asked first
+    if holders == "earlier release":
+        for h in by_node.values():
+            monkeypatch.setattr(h, "has", _keys_only(h))
+        [written], data = persisted(store, rec, tmp_path)  # no TypeError: it ran
+        assert data in (committed, stale)  # an old holder cannot say which copy matches,
+        assert (written.crc32c == rec.crc32c) == (data == committed)  # the check after can
+        return
+    [written], data = persisted(store, rec, tmp_path)
+    assert data == committed and written.crc32c == rec.crc32c
+
+
+def _keys_only(h: Holder) -> Callable[[list[str]], list[bool]]:
+    def has(keys: list[str]) -> list[bool]:  # an earlier release's signature
+        return [k in h.files for k in keys]
+
+    return has
+
+
+def test_no_matching_copy_raises_the_first_reads_error(tier):
+    """A record no copy matches (every copy shorter): the first read's own error, which says
+    why (size, or checksum), not a generic one."""
+    nodes, store, _ = tier
+    rec = put(nodes, store, "B", os.urandom(50_000))
+    longer = FileRecord(rec.path, rec.size + 10, rec.crc32c)
+    with pytest.raises(CheckpointCorruptError, match="size is 50000 bytes"):
+        store.read_verified(PATH, longer)

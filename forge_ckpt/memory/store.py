@@ -339,18 +339,20 @@ class MemoryStorage(Storage):
                 sums.update(memoryview(buf))
             try:
                 check_record(self.where(path), sums.size, sums.crc, expected, sums.record(path))
-            except CheckpointCorruptError:
-                return self._one_good_copy(path, expected)
+            except CheckpointCorruptError as e:
+                return self._one_good_copy(path, expected, e)
         return buf
 
-    def _one_good_copy(self, path: str, expected: FileRecord) -> bytearray:
+    def _one_good_copy(
+        self, path: str, expected: FileRecord, first: CheckpointCorruptError
+    ) -> bytearray:
         """A holder's copy that matches `expected`, each read whole from one holder: a
         stale job's late write that reached holders without a copy of the name (its writer
         on another node placed it elsewhere) left some copies that are not the committed
-        file (review 21). Raises the first copy's error when none matches."""
+        file (review 21). Raises `first` (the first read's error) when none matches."""
         from ..storage.base import check_record, expected_algo
 
-        key, first = self.key(path), None
+        key = self.key(path)
         for ref, sizes in self.on_all("sizes", key):
             if sizes.get(key) != expected.size:
                 continue
@@ -361,12 +363,11 @@ class MemoryStorage(Storage):
             sums.update(memoryview(data).cast("B"))
             try:
                 check_record(self.where(path), sums.size, sums.crc, expected, sums.record(path))
-            except CheckpointCorruptError as e:
-                first = first or e
+            except CheckpointCorruptError:
                 continue
             log.warning("%s: a holder's copy differs from the record; read another", key)
             return data if isinstance(data, bytearray) else bytearray(data)
-        raise first or CheckpointCorruptError(self.where(path), "no copy matches its record")
+        raise first
 
     def _read(self, key: str, start: int, end: int | None, sums: Checksums | None) -> bytearray:
         me = current().node_id()
