@@ -74,7 +74,7 @@ def test_refusals_are_the_holders_errors_and_keep_nothing(holder):
     table, ep = holder
     data = os.urandom(1000)
     with pytest.raises(CheckpointCorruptError, match="checksum mismatch"):
-        transport.put(ep, "bad", memoryview(data), record(data[:-1] + b"x"))
+        transport.put(ep, "bad", memoryview(data), record(data[:-1] + bytes([data[-1] ^ 1])))
     with pytest.raises(MemoryBudgetError, match="does not fit"):
         transport.put(ep, "big", memoryview(bytearray(table.budget + 1)), record(b""))
     assert table.files == {}
