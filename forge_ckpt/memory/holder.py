@@ -138,7 +138,7 @@ class Holder:
         check_record(where, sums.size, f"{sums.crc:08x}", rec, sums.record(key))
         with self._lock:
             old = self.files.get(key)
-            if record.get(CREATE_ONLY) and old is not None and not _same(old, rec):
+            if record.get(CREATE_ONLY) and old is not None and not _is(old, rec.size, rec.crc32c):
                 # a stale job's late write (it shares its successor's holders): never over
                 # a file of the successor's step (review 20); the same bytes are a retry's
                 raise AlreadyExistsError(errno.EEXIST, f"{where} already exists: {ANOTHER}")
@@ -220,10 +220,7 @@ class Holder:
             found = [self.files.get(k) for k in keys]
         if records is None:
             return [d is not None for d in found]
-        return [
-            d is not None and len(d) == size and crc32c_of_bytes(d) == crc
-            for d, (size, crc) in zip(found, records, strict=True)
-        ]
+        return [d is not None and _is(d, *r) for d, r in zip(found, records, strict=True)]
 
     def sizes(self, prefix: str = "") -> dict[str, int]:
         with self._lock:
@@ -294,5 +291,6 @@ _OPTIONS: dict[str, Any] = {"num_cpus": 0, "max_restarts": 0, "max_concurrency":
 HolderActor: Any = ray.remote(**_OPTIONS)(Holder)
 
 
-def _same(data: bytes | bytearray, rec: FileRecord) -> bool:
-    return len(data) == rec.size and crc32c_of_bytes(data) == rec.crc32c
+def _is(data: bytes | bytearray, size: int, crc32c: str) -> bool:
+    """Whether `data` is the file of this size and CRC32C (a copy's identity)."""
+    return len(data) == size and crc32c_of_bytes(data) == crc32c

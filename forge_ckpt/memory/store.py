@@ -33,7 +33,9 @@ from ..storage.base import (
     StorageError,
     StorageSpec,
     Writer,
+    check_record,
     crc32c_of_bytes,
+    expected_algo,
     join,
 )
 from . import transport
@@ -325,8 +327,6 @@ class MemoryStorage(Storage):
 
     def read_verified(self, path: str, expected: FileRecord | None = None) -> bytearray:
         """The whole file, checksummed as it arrives when it comes in one stream."""
-        from ..storage.base import check_record, expected_algo
-
         sums = None if expected is None else Checksums(expected_algo(expected))
         try:
             buf = self._read(self.key(path), 0, None, sums)
@@ -334,14 +334,21 @@ class MemoryStorage(Storage):
             raise CheckpointCorruptError(self.where(path), "file is missing") from None
         if expected is not None:
             assert sums is not None
-            if sums.size != len(buf):  # spread over holders, or via Ray: not checksummed yet
-                sums = Checksums(expected_algo(expected))
-                sums.update(memoryview(buf))
             try:
-                check_record(self.where(path), sums.size, sums.crc, expected, sums.record(path))
+                if sums.size != len(buf):  # spread over holders, or via Ray: not checked yet
+                    self._check(path, buf, expected)
+                else:
+                    check_record(self.where(path), sums.size, sums.crc, expected,
+                                 sums.record(path))  # fmt: skip
             except CheckpointCorruptError as e:
                 return self._one_good_copy(path, expected, e)
         return buf
+
+    def _check(self, path: str, data: Any, expected: FileRecord) -> None:
+        """`data` is the file `expected` records, or CheckpointCorruptError."""
+        sums = Checksums(expected_algo(expected))
+        sums.update(memoryview(data).cast("B"))
+        check_record(self.where(path), sums.size, sums.crc, expected, sums.record(path))
 
     def _one_good_copy(
         self, path: str, expected: FileRecord, first: CheckpointCorruptError
@@ -350,8 +357,6 @@ class MemoryStorage(Storage):
         stale job's late write that reached holders without a copy of the name (its writer
         on another node placed it elsewhere) left some copies that are not the committed
         file (review 21). Raises `first` (the first read's error) when none matches."""
-        from ..storage.base import check_record, expected_algo
-
         key = self.key(path)
         for ref, sizes in self.on_all("sizes", key):
             if sizes.get(key) != expected.size:
@@ -359,10 +364,8 @@ class MemoryStorage(Storage):
             data = self._get(ref, key, 0, None, None, None)
             if data is _GONE or data is None or isinstance(data, int):
                 continue
-            sums = Checksums(expected_algo(expected))
-            sums.update(memoryview(data).cast("B"))
             try:
-                check_record(self.where(path), sums.size, sums.crc, expected, sums.record(path))
+                self._check(path, data, expected)
             except CheckpointCorruptError:
                 continue
             log.warning("%s: a holder's copy differs from the record; read another", key)
