@@ -201,7 +201,7 @@ class MemoryStorage(Storage):
         """Hand `data` to `copies` live holders (other nodes first), streamed to all of a
         batch at once; the node ids that ack. `placed`: nodes that already have it;
         `exclusive`: a holder with another file of that name refuses it."""
-        key = self.key(path)
+        key, rec = self.key(path), transport.record_dict(record, exclusive)
         me = current().node_id()
         order = [h for h in preference(key, self.holders, me) if h[1] not in placed]
         view = memoryview(data).cast("B")
@@ -210,10 +210,7 @@ class MemoryStorage(Storage):
         tried: list[str] = []
         while len(done) < self.copies and order:
             batch, order = order[: self.copies - len(done)], order[self.copies - len(done) :]
-            futs = [
-                (h, current().submit(self._place, h, key, view, (record, exclusive), slow))
-                for h in batch
-            ]
+            futs = [(h, current().submit(self._place, h, key, view, rec, slow)) for h in batch]
             for h, fut in futs:
                 problem = fut.result()
                 if problem is None:
@@ -231,17 +228,11 @@ class MemoryStorage(Storage):
         return done
 
     def _place(
-        self,
-        h: HolderRef,
-        key: str,
-        view: memoryview,
-        record: tuple[FileRecord, bool],
-        slow: _ViaRay,
+        self, h: HolderRef, key: str, view: memoryview, rec: dict[str, Any], slow: _ViaRay
     ) -> str | None:
         """One copy: streamed, or through Ray when the holder lives but cannot be streamed
         to. None when placed, else why not; a holder's refusal (budget, checksum, another
-        file of that name where `record`'s flag says exclusive) raises."""
-        rec = transport.record_dict(*record)
+        file of that name where `rec` says create-only) raises."""
         how, why = self.direct(h, lambda ep: transport.put(ep, key, view, rec))
         if how == "ok":
             return None
