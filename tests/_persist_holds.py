@@ -46,13 +46,22 @@ def hold(
 
     def held(on: Any, what: Any, *args: Any) -> Any:
         number = getattr(what, "step", what)
-        if on is store and (step is None or number == step):
+        if _same(on, store) and (step is None or number == step):
             entered.set()
             assert go.wait(300)
         return real(on, what, *args)
 
     monkeypatch.setattr(commit, name, held)
     return entered, go
+
+
+def _same(on: Any, store: Any) -> bool:
+    """`on` is `store`, or, for the memory tier, the storage of one of its save attempts
+    (`MemoryTier.attempt`: the same holders, with the attempt's token)."""
+    from forge_ckpt.memory.store import MemoryStorage
+
+    mem = isinstance(on, MemoryStorage) and isinstance(store, MemoryStorage)
+    return on is store or (mem and on.url == store.url)
 
 
 async def cancel_once_pinned(coord: CheckpointCoordinator, counter: Any, step: int) -> None:

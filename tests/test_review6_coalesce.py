@@ -92,7 +92,7 @@ async def test_settle_waits_for_the_unpin_of_a_dropped_persist(counter, tmp_path
     real = store.on_all
 
     def held(method: str, *args: Any) -> Any:
-        if method == "pin" and args == (2, False):
+        if method == "pin" and args[:2] == (2, False):
             settled.wait(UNPIN_HOLD_S)
             try:
                 return real(method, *args)

@@ -181,19 +181,26 @@ def stale_and_successor(world: World) -> tuple[Job, Job]:
 def before_bs_marker(b: Job, stale: Callable[[], asyncio.Task]) -> list[asyncio.Task]:
     """Once B's memory step 2 has its files and manifest, and before its COMMIT: start
     `stale()` (the stale job's call) and let it run to its end (B's commit waits)."""
-    assert b.coord.tier is not None
-    store = b.coord.tier.store
-    create, started = store.create, []
+    tier = b.coord.tier
+    assert tier is not None
+    attempt, started = tier.attempt, []
 
-    def then_create(path: str, data: Any) -> Any:
-        if path == "step-2/COMMIT" and not started:
-            started.append(stale())
-            thread = SimThread.current()
-            assert thread is not None
-            thread.wait_until(b.w.loop, started[0], None)
-        return create(path, data)
+    def hooked(number: int) -> Any:  # the save attempt's storage: its commit's creates
+        store, spec = attempt(number)
+        create = store.create
 
-    store.create = then_create  # type: ignore[method-assign]
+        def then_create(path: str, data: Any) -> Any:
+            if path == "step-2/COMMIT" and not started:
+                started.append(stale())
+                thread = SimThread.current()
+                assert thread is not None
+                thread.wait_until(b.w.loop, started[0], None)
+            return create(path, data)
+
+        store.create = then_create  # type: ignore[method-assign]
+        return store, spec
+
+    tier.attempt = hooked  # type: ignore[method-assign]
     return started
 
 
@@ -235,4 +242,29 @@ def test_a_stale_jobs_memory_retention_removes_none_of_its_successors_steps(worl
     started[0].result()
     assert b.coord.tier is not None
     assert b.coord.tier.steps() == [1, 2, 3]
+    b.coord.close()
+
+
+def test_each_save_attempt_writes_to_the_holders_with_its_own_token(world, monkeypatch):
+    """The coordinator hands every unit its save attempt's memory storage: the folder
+    lease's generation and the attempt's number, by which the holders fence a step's files
+    (test_memory_fence.py). A successor's holders refuse the stalled job's save at once."""
+    seen: list[tuple[int, int]] = []
+    real = Component.forge_begin_save
+
+    def spy(self: Component, where: Any, *args: Any) -> dict:
+        seen.append(tuple(where.options["fence"]))
+        return real(self, where, *args)
+
+    monkeypatch.setattr(Component, "forge_begin_save", spy)
+    a, b = stale_and_successor(world)
+    gen_a, gen_b = a.coord._lease.generation, b.coord._lease.generation
+    assert gen_b > gen_a and seen and all(g == gen_a for g, _ in seen)
+    assert b.run(b.coord.save(2)).committed and b.run(b.coord.save(3)).committed
+    mine = [t for t in seen if t[0] == gen_b]
+    assert len(mine) == 2 and mine[0][1] < mine[1][1]  # one attempt per save, in order
+    holders = [h.obj for h in world.memory.actors.values() if h.proc.alive]
+    assert all(h.floor == gen_b and h.fences.get(3) == mine[1] for h in holders)
+    assert "lease" in a.run(_outcome(a.coord.save(4)))  # refused: it lost the folder
+    assert b.run(b.coord.load()).step == 3
     b.coord.close()

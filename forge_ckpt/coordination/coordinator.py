@@ -87,7 +87,8 @@ class CheckpointCoordinator:
         self._op_lock: tuple[Any, asyncio.Lock] | None = None  # (its loop, the lock): _op()
         self._events = Events(config.on_event)  # one record per save and load (events.py)
         # None: no memory tier
-        self.tier = open_tier(config, self._lease.release, self.store, runtime.to_thread)
+        self.tier = open_tier(config, self._lease.release, self.store, runtime.to_thread,
+                              self._lease.generation)  # fmt: skip
         if self.tier is not None:
             self.tier.io = self._storage.background
         memory = self.tier.store if self.tier is not None else None
@@ -220,7 +221,10 @@ class CheckpointCoordinator:
         self._follow_ups.refuse_owed(step)
         # A new branch's first step goes to the durable folder, whose manifests record what
         # it abandons (in both tiers): a memory step can record nothing that outlives it.
-        store, spec = self._target(self.tier is not None and self._timeline.branch_from is None)
+        self._attempts += 1  # each attempt's files are its own (layout.actor_file)
+        attempt = layout.attempt_name(self._lease.generation, self._attempts)
+        memory = self.tier is not None and self._timeline.branch_from is None
+        store, spec = self._target(memory, self._attempts)
         where = spec.child(layout.step_name(step))
         mode = self.config.async_mode
         background = defer = mode != "sync"  # a config's "async" is mapped to "deferred"
@@ -242,8 +246,6 @@ class CheckpointCoordinator:
             raise save_error(self._newest(), step, lines) from e
         groups = dict(self._groups)  # what this save holds, whatever register() does meanwhile
         units = [u for g in groups.values() for u in g.units]
-        self._attempts += 1  # each attempt's files are its own (layout.actor_file)
-        attempt = layout.attempt_name(self._lease.generation, self._attempts)
         calls = [u.begin(where, background, defer, attempt) for u in units]  # the cut
         begun = self._snapshots(units, calls, step, store)
         result = SaveResult(step, where.url)
@@ -279,10 +281,10 @@ class CheckpointCoordinator:
             await self._committer.abort(units, step, e, store)
             raise
 
-    def _target(self, memory: bool) -> tuple[Storage, StorageSpec]:
-        """The memory tier's storage or the durable folder's."""
+    def _target(self, memory: bool, attempt: int) -> tuple[Storage, StorageSpec]:
+        """The memory tier's storage (that of save `attempt`) or the durable folder's."""
         if memory and self.tier is not None:
-            return self.tier.store, self.tier.spec
+            return self.tier.attempt(attempt)
         return self.store, self.config.storage
 
     async def wait(self, persisting: bool = True) -> SaveResult | None:

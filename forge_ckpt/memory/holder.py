@@ -13,6 +13,12 @@ control and, for a client that cannot reach the listener, the bytes as before.
 The actor is threaded (`max_concurrency`): a persist that writes for minutes, or a large read,
 never holds up a put or a control call, so a holder busy persisting never looks dead. One lock
 guards the file table; bytes are fetched, checksummed and written outside it.
+
+Fenced: every change carries its writer's token, (lease generation, save attempt). A holder
+refuses a generation older than the newest it has seen (`floor`: a job that lost the folder's
+lease shares its successor's holders), and a step's files belong to one save attempt
+(`fences`): a newer attempt's first call drops an older one's files of that step, and an older
+attempt's late write is refused (its late removal leaves the step alone). See docs/tiers.md.
 """
 
 from __future__ import annotations
@@ -31,20 +37,36 @@ from ..storage.base import (
     AlreadyExistsError,
     Checksums,
     FileRecord,
+    StorageError,
     StorageSpec,
     check_record,
     checksums_of,
     crc32c_of_bytes,
 )
 from .cluster import current
-from .transport import CREATE_ONLY, Server
+from .transport import CREATE_ONLY, FENCE, Server
 
 _STEP_RE = re.compile(r"^step-(\d+)(/|$)")
 MAX_CONCURRENCY = 16  # calls a holder serves at once (puts of many writers, reads, a persist)
+MAX_FENCES = 4096  # steps whose attempt a holder remembers (those holding nothing, oldest first)
+Token = tuple[int, int]  # a writer's (lease generation, save attempt; 0: none in particular)
 
 
 class MemoryBudgetError(CheckpointError):
     """A file does not fit in a holder's budget even after dropping its older steps."""
+
+
+class StaleWriteError(StorageError):
+    """A holder refused a change from a writer that is fenced off: a job that lost the
+    folder's lease, or a late call of an earlier attempt of a save."""
+
+
+def token_of(value: Any) -> Token | None:
+    """A token as it travels (a tuple, or a list through the stream's header), or None."""
+    if value is None:
+        return None
+    gen, attempt = value
+    return int(gen), int(attempt)
 
 
 def step_of(key: str) -> int | None:
@@ -71,6 +93,8 @@ class Holder:
         self.budget, self.keep = budget, keep
         self.files: dict[str, bytes | bytearray] = {}
         self.pinned: set[int] = set()  # steps waiting to be persisted: never dropped for room
+        self.floor = 0  # the newest lease generation seen: an older writer is refused
+        self.fences: dict[int, Token] = {}  # step -> the save attempt its files here are of
         self.persisting = 0  # persists in progress (for info())
         self._lock = threading.Lock()
         self.node_id = current().node_id()
@@ -97,19 +121,73 @@ class Holder:
             return {"run_id": self.run_id, "fingerprint": self.fingerprint,
                     "incarnation": self.incarnation, "node_id": self.node_id, "used": used,
                     "budget": self.budget, "files": len(self.files),
-                    "pinned": sorted(self.pinned), "persisting": self.persisting}  # fmt: skip
+                    "pinned": sorted(self.pinned), "persisting": self.persisting,
+                    "floor": self.floor}  # fmt: skip
 
-    def configure(self, budget: int, keep: int) -> dict[str, Any]:
+    def configure(self, budget: int, keep: int, generation: int = 0) -> dict[str, Any]:
         """A restarted driver's budget and keep apply to the holders it finds; the pins of a
-        driver that died mid-persist are dropped (its persist will never finish)."""
+        driver that died mid-persist are dropped (its persist will never finish). From here
+        on, writers of a lease generation older than `generation` are refused."""
         with self._lock:
+            fence = (generation, 0) if generation else None  # (0: a driver of an earlier
+            self._admit(f"mem holder {self.node_id[:8]}", fence, None, True)  # release)
             self.budget, self.keep = budget, keep
             self.pinned.clear()
         return self.info()
 
-    def pin(self, step: int, on: bool = True) -> None:
+    def fence(self, step: int, token: Any) -> None:
+        """A save attempt prepares `step`: the step's files of an older attempt go, and that
+        attempt's late writes are refused from now on."""
+        with self._lock:
+            self._admit(f"mem holder {self.node_id[:8]}:step-{step}", token, step, True)
+
+    def _admit(self, where: str, token: Any, step: int | None, write: bool) -> bool:
+        """Whether the writer of `token` may change `step` here (the caller holds the lock).
+        Raises StaleWriteError for a writer fenced off; False for an earlier attempt's
+        removal (the step is a newer attempt's now: left alone). No token: a caller of an
+        earlier release, admitted as before."""
+        t = token_of(token)
+        if t is None:
+            return True
+        if t[0] < self.floor:
+            raise StaleWriteError(
+                f"{where}: refused: its writer's lease generation {t[0]} is older than "
+                f"{self.floor}, a job that took the folder over since (this job lost the "
+                "folder's lease: it must stop saving; its successor's steps are untouched)"
+            )
+        self.floor = t[0]
+        cur = self.fences.get(step) if step is not None and t[1] else None
+        if step is None or not t[1] or t == cur:
+            return True
+        if cur is not None and t < cur:
+            if not write:
+                return False
+            raise StaleWriteError(
+                f"{where}: refused: a late write of save attempt {t} of step {step}, which "
+                f"is attempt {cur}'s now (a retry of the save; nothing of it is touched)"
+            )
+        if write:
+            self._adopt(where, step, t)
+        return True
+
+    def _adopt(self, where: str, step: int, t: Token) -> None:
+        """A newer attempt owns `step` here: an older one's files of it go."""
+        if f"step-{step}/COMMIT" in self.files:
+            raise AlreadyExistsError(
+                errno.EEXIST, f"{where}: step {step} is committed here; save a new step number"
+            )
+        self._delete_prefix(f"step-{step}")
+        self.fences[step] = t
+        if len(self.fences) > MAX_FENCES:  # the oldest steps' that hold nothing here go
+            held = {step_of(k) for k in self.files}
+            for old in sorted(self.fences)[: len(self.fences) // 2]:
+                if old not in held:
+                    del self.fences[old]
+
+    def pin(self, step: int, on: bool = True, token: Any = None) -> None:
         """Keep `step` (or stop keeping it) whatever room a put needs: it is being persisted."""
         with self._lock:
+            self._admit(f"mem holder {self.node_id[:8]}", token, None, True)
             if on:
                 self.pinned.add(step)
             else:
@@ -137,6 +215,7 @@ class Holder:
         where = f"mem holder {self.node_id[:8]}:{key}"
         check_record(where, sums.size, f"{sums.crc:08x}", rec, sums.record(key))
         with self._lock:
+            self._admit(where, record.get(FENCE), step_of(key), True)
             old = self.files.get(key)
             if record.get(CREATE_ONLY) and old is not None and not _is(old, rec.size, rec.crc32c):
                 # a stale job's late write (it shares its successor's holders): never over
@@ -183,16 +262,18 @@ class Holder:
             "memory_keep"
         )
 
-    def create(self, key: str, data: bytes, overwrite: bool = False) -> bool:
+    def create(self, key: str, data: bytes, overwrite: bool = False, token: Any = None) -> bool:
         """Small control files (manifest, COMMIT): False if present and not `overwrite`."""
         with self._lock:
+            self._admit(f"mem holder {self.node_id[:8]}:{key}", token, step_of(key), True)
             if key in self.files and not overwrite:
                 return False
             self.files[key] = bytes(data)
             return True
 
-    def replace(self, key: str, data: bytes, tag: str) -> str | None:
+    def replace(self, key: str, data: bytes, tag: str, token: Any = None) -> str | None:
         with self._lock:
+            self._admit(f"mem holder {self.node_id[:8]}:{key}", token, step_of(key), True)
             cur = self.files.get(key)
             if cur is None or crc32c_of_bytes(cur) != tag:
                 return None
@@ -226,30 +307,42 @@ class Holder:
         with self._lock:
             return {k: len(v) for k, v in self.files.items() if k.startswith(prefix)}
 
-    def rename(self, src: str, dst: str) -> bool:
+    def rename(self, src: str, dst: str, token: Any = None) -> bool:
         """False if this holder has no copy of `src`."""
         with self._lock:
+            where = f"mem holder {self.node_id[:8]}:{dst}"
+            if not self._removes(where, src, token) or not self._admit(where, token,
+                                                                        step_of(dst), True):  # fmt: skip
+                return False
             data = self.files.pop(src, None)
             if data is None:
                 return False
             self.files[dst] = data
             return True
 
-    def delete(self, key: str) -> None:
+    def delete(self, key: str, token: Any = None) -> None:
         with self._lock:
-            self.files.pop(key, None)
+            if self._removes(key, key, token):
+                self.files.pop(key, None)
 
-    def delete_prefix(self, prefix: str) -> None:
+    def delete_prefix(self, prefix: str, token: Any = None) -> None:
         with self._lock:
-            self._delete_prefix(prefix)
+            if self._removes(prefix, prefix, token):
+                self._delete_prefix(prefix)
+
+    def _removes(self, where: str, key: str, token: Any) -> bool:
+        """Whether a removal of `key` (or of the files under it) by `token`'s writer goes
+        ahead: a fenced-off job's raises, an earlier attempt's late one is skipped."""
+        return self._admit(f"mem holder {self.node_id[:8]}:{where}", token, step_of(key), False)
 
     def _delete_prefix(self, prefix: str) -> None:
         for k in [k for k in self.files if k == prefix or k.startswith(prefix.rstrip("/") + "/")]:
             del self.files[k]
 
-    def drop_step(self, step: int) -> None:
+    def drop_step(self, step: int, token: Any = None) -> None:
         with self._lock:
-            self._drop(step)
+            if self._removes(f"step-{step}", f"step-{step}", token):
+                self._drop(step)
 
     def _drop(self, step: int) -> None:
         """COMMIT first, so that this holder never offers a half-dropped step as whole."""

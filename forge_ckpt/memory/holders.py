@@ -71,9 +71,12 @@ def alive_nodes() -> list[str]:
 class Identity:
     """Who a run's holders are: names from `run_id`, owned by (fingerprint, incarnation)."""
 
-    def __init__(self, run_id: str, fingerprint: str, inc: str, namespace: str) -> None:
+    def __init__(
+        self, run_id: str, fingerprint: str, inc: str, namespace: str, generation: int = 0
+    ) -> None:
         self.run_id, self.fingerprint, self.incarnation = run_id, fingerprint, inc
         self.namespace = namespace
+        self.generation = generation  # the folder lease's: configure() fences older writers
 
     def start(
         self, nodes: list[str], budget: int, keep: int, joined: bool = False
@@ -117,7 +120,10 @@ class Identity:
         cluster = current()
         try:
             h = cluster.actor(name, self.namespace)
-            cluster.get(h.configure.remote(budget, keep), timeout=wait_s)
+            try:
+                cluster.get(h.configure.remote(budget, keep, self.generation), timeout=wait_s)
+            except TypeError:  # a holder of an earlier release: not fenced
+                cluster.get(h.configure.remote(budget, keep), timeout=wait_s)
         except (ValueError, ray.exceptions.RayActorError):
             # It died since we looked (a closing run's holder going away): start anew.
             self._wait_gone(name)

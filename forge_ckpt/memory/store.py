@@ -40,12 +40,13 @@ from ..storage.base import (
 )
 from . import transport
 from .cluster import current
+from .holder import token_of
 from .placement import HolderRef, preference
 from .transport import Endpoint, TransportError
 
 log = logging.getLogger("forge_ckpt")
 SCHEME = "mem://"
-OPTIONS = ("holders", "copies", "namespace", "digest")
+OPTIONS = ("holders", "copies", "namespace", "digest", "fence")
 CALL_TIMEOUT_S = 300.0
 READ_CHUNK = 32 * 1024**2  # a read from other nodes of 2 of these or more is spread
 # A file up to this size rides in the holder call itself (Ray inlines small arguments): no
@@ -100,6 +101,9 @@ class MemoryStorage(Storage):
         self.holders: list[HolderRef] = [(str(n), str(i)) for n, i in spec.options["holders"]]
         self.copies = int(spec.options.get("copies", 2))
         self.namespace = str(spec.options.get("namespace", "forge_ckpt"))
+        # (lease generation, save attempt): every change a holder is asked for carries it
+        # (`Holder._admit`); None: unfenced (a tool that reads)
+        self.token = token_of(spec.options.get("fence"))
 
     def sub(self, prefix: str) -> MemoryStorage:
         return MemoryStorage(self.spec.child(prefix))
@@ -190,6 +194,29 @@ class MemoryStorage(Storage):
                     continue
         return out
 
+    def fenced(self, method: str, *args: Any) -> list[tuple[HolderRef, Any]]:
+        """`on_all` of a change, with this writer's token. Holders of an earlier release
+        (a driver upgraded within a live run adopts them) take no token: asked without."""
+        if self.token is None:
+            return self.on_all(method, *args)
+        try:
+            return self.on_all(method, *args, self.token)
+        except TypeError:
+            if "fence" not in _warned:
+                _warned.add("fence")
+                log.warning("memory holders of an earlier release: their changes are not "
+                            "fenced by the lease generation")  # fmt: skip
+            return self.on_all(method, *args)
+
+    def fence_step(self, step: int) -> None:
+        """This save attempt prepares `step` on every live holder: an older attempt's files
+        of it go, and its late writes are refused (`Holder.fence`)."""
+        if self.token is not None and self.token[1]:
+            try:
+                self.on_all("fence", step, self.token)
+            except (TypeError, AttributeError):  # holders of an earlier release
+                pass
+
     def put_copies(
         self,
         path: str,
@@ -201,7 +228,7 @@ class MemoryStorage(Storage):
         """Hand `data` to `copies` live holders (other nodes first), streamed to all of a
         batch at once; the node ids that ack. `placed`: nodes that already have it;
         `exclusive`: a holder with another file of that name refuses it."""
-        key, rec = self.key(path), transport.record_dict(record, exclusive)
+        key, rec = self.key(path), transport.record_dict(record, exclusive, self.token)
         me = current().node_id()
         order = [h for h in preference(key, self.holders, me) if h[1] not in placed]
         view = memoryview(data).cast("B")
@@ -283,7 +310,7 @@ class MemoryStorage(Storage):
         return c.record(path)
 
     def _everywhere(self, path: str, data: bytes, overwrite: bool) -> list[bool]:
-        done = self.on_all("create", self.key(path), bytes(data), overwrite)
+        done = self.fenced("create", self.key(path), bytes(data), overwrite)
         if not done:
             raise StorageError(f"{self.where(path)}: no memory holder is alive")
         return [ok for _, ok in done]
@@ -296,7 +323,7 @@ class MemoryStorage(Storage):
         return crc32c_of_bytes(data)
 
     def replace(self, path: str, data: bytes, tag: str) -> str:
-        done = self.on_all("replace", self.key(path), bytes(data), tag)
+        done = self.fenced("replace", self.key(path), bytes(data), tag)
         if not done or any(t is None for _, t in done):
             raise PreconditionFailedError(f"{self.where(path)} changed or vanished")
         return crc32c_of_bytes(data)
@@ -462,14 +489,14 @@ class MemoryStorage(Storage):
 
     # ---- deleting --------------------------------------------------------------------------
     def delete(self, path: str) -> None:
-        self.on_all("delete", self.key(path))
+        self.fenced("delete", self.key(path))
 
     def delete_prefix(self, prefix: str) -> None:
-        self.on_all("delete_prefix", self.key(prefix))
+        self.fenced("delete_prefix", self.key(prefix))
 
     def rename(self, src: str, dst: str) -> None:
         """In every holder's heap: one round trip, where a copy would be three."""
-        if not any(moved for _, moved in self.on_all("rename", self.key(src), self.key(dst))):
+        if not any(moved for _, moved in self.fenced("rename", self.key(src), self.key(dst))):
             raise FileNotFoundError(f"{self.where(src)}: no live memory holder has it")
 
     def move_prefix(self, src: str, dst: str, first: str | None = None) -> None:

@@ -32,15 +32,17 @@ def open_tier(
     on_error: Callable[[], None],
     durable: Storage | None = None,
     to_thread: Callable[..., Awaitable[Any]] = asyncio.to_thread,
+    generation: int = 0,
 ) -> MemoryTier | None:
     """The memory tier when configured (`memory_every`); `on_error` (the lease's release)
     runs if it cannot start, so a failed coordinator never keeps the folder. `durable`: the
     folder (under the caller's lease), where the folder's incarnation id is kept;
-    `to_thread`: where blocking calls run (the coordinator's Runtime)."""
+    `to_thread`: where blocking calls run (the coordinator's Runtime); `generation`: the
+    folder lease's, which fences the holders' changes (0: none)."""
     if not config.memory_every:
         return None
     try:
-        return MemoryTier(config, durable, to_thread)
+        return MemoryTier(config, durable, to_thread, generation)
     except BaseException:
         on_error()
         raise
@@ -52,8 +54,10 @@ class MemoryTier:
         config: Any,
         durable: Storage | None = None,
         to_thread: Callable[..., Awaitable[Any]] = asyncio.to_thread,
+        generation: int = 0,
     ) -> None:
         self.config = config
+        self.generation = generation  # the folder lease's: the holders refuse older ones
         self.to_thread = to_thread  # the holders' calls (memory steps, pins)
         # The durable folder's calls of a persist: the coordinator's, under its lease (close()
         # releases it only after they end; a writer that lost it removes nothing).
@@ -63,7 +67,7 @@ class MemoryTier:
         self.namespace = str(config.memory_namespace)
         durable = durable if durable is not None else open_storage(config.storage)
         self.identity = Identity(self.run_id, self.fingerprint, incarnation(durable),
-                                 self.namespace)  # fmt: skip
+                                 self.namespace, generation)  # fmt: skip
         self._use(self._start_holders(alive_nodes()))
         self.saves = 0
         self._recent: list[int] | None = None  # memory steps for retention (None: list them)
@@ -94,9 +98,20 @@ class MemoryTier:
         digest = self.config.storage.options.get("digest")
         if digest is not None:
             options["digest"] = digest
+        if self.generation:
+            options["fence"] = (self.generation, 0)
         self.spec = StorageSpec(f"mem://{self.run_id}", options)
         self.store: MemoryStorage = open_storage(self.spec)  # type: ignore[assignment]
         self.holders: list[HolderRef] = holders
+
+    def attempt(self, number: int) -> tuple[MemoryStorage, StorageSpec]:
+        """The storage and spec of one save attempt: what its units write and its commit
+        carry the attempt's token (the step's files on the holders are that attempt's)."""
+        if not self.generation:
+            return self.store, self.spec
+        spec = StorageSpec(self.spec.url, {**self.spec.options,
+                                           "fence": (self.generation, number)})  # fmt: skip
+        return open_storage(spec), spec  # type: ignore[return-value]
 
     def add_new_nodes(self, every_s: float = NODES_EVERY_S) -> list[str]:
         """Start holders on nodes that joined since (a replacement for a lost node): at the
@@ -185,7 +200,7 @@ class MemoryTier:
             self._pinned.add(step)
         try:
             if due:
-                pin = self.to_thread(self.store.on_all, "pin", step, True)
+                pin = self.to_thread(self.store.fenced, "pin", step, True)
                 pinning = asyncio.ensure_future(pin)  # its unpin must come after it lands
                 await asyncio.shield(pinning)
             try:  # under the lease: a stale job's must not remove its successor's steps
@@ -290,7 +305,7 @@ class MemoryTier:
 
     async def _unpin(self, step: int) -> None:
         try:
-            await self.to_thread(self.store.on_all, "pin", step, False)
+            await self.to_thread(self.store.fenced, "pin", step, False)
         except Exception as e:  # a holder that is gone has no pin to drop
             log.debug("unpinning memory step %d: %s", step, e)
 

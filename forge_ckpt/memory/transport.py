@@ -39,6 +39,7 @@ IO_TIMEOUT_S = 300.0  # a stalled transfer fails (then Ray decides whether the h
 MAX_HEADER = 1 << 20
 _LEN = struct.Struct("!I")
 CREATE_ONLY = "create_only"  # in a put's record: refused where another file of the name is kept
+FENCE = "fence"  # in a put's record: its writer's token (Holder._admit)
 
 
 class TransportError(OSError):
@@ -205,10 +206,15 @@ class Server:
         self._listener.stop()
 
 
-def record_dict(record: FileRecord, exclusive: bool) -> dict[str, Any]:
-    """What a holder is sent with a file's bytes: their record, and whether to refuse them
-    where another file of that name is kept (`Holder.accept`)."""
-    return {**record.to_dict(), CREATE_ONLY: True} if exclusive else record.to_dict()
+def record_dict(
+    record: FileRecord, exclusive: bool, fence: tuple[int, int] | None = None
+) -> dict[str, Any]:
+    """What a holder is sent with a file's bytes: their record, whether to refuse them where
+    another file of that name is kept, and the writer's token (`Holder.accept`)."""
+    out = {**record.to_dict(), CREATE_ONLY: True} if exclusive else record.to_dict()
+    if fence is not None:
+        out[FENCE] = list(fence)
+    return out
 
 
 def error_header(e: BaseException) -> dict[str, Any]:
@@ -221,11 +227,13 @@ def error_header(e: BaseException) -> dict[str, Any]:
 
 
 def remote_error(h: dict[str, Any]) -> Exception:
-    from .holder import MemoryBudgetError
+    from .holder import MemoryBudgetError, StaleWriteError
 
     name, msg = h.get("error"), str(h.get("message", ""))
     if name == "MemoryBudgetError":
         return MemoryBudgetError(msg)
+    if name == "StaleWriteError":
+        return StaleWriteError(msg)
     if name == "CheckpointCorruptError":
         return CheckpointCorruptError(str(h["path"]), str(h["problem"]), h.get("hint"))
     if name == "TransportError":

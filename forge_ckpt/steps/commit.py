@@ -60,6 +60,7 @@ def prepare_step(store: Storage, step: int) -> None:
         remove_step(store, step)
     if lease is not None:  # a removed step's record must not vouch for this save's COMMIT
         lease.forget([step], write=True)
+    store.fence_step(step)  # the memory tier: an earlier attempt's late writes are refused
     store.makedirs(f"{name}/{layout.ACTORS}")
     store.makedirs(f"{name}/{layout.TRAINER}")
     _still_ours(store, step)

@@ -377,6 +377,11 @@ class Storage(ABC):
         """Abort unfinished uploads left by crashed writers; returns how many."""
         return 0
 
+    def fence_step(self, step: int) -> None:
+        """A save attempt prepares `step`: storage shared with writers the lease cannot stop
+        (the memory tier's holders) refuses an older attempt's writes to it from now on."""
+        return None  # a folder: the lease and create-only writes fence it
+
     # ---- folders (POSIX only; object stores have none) ------------------------------------
     def makedirs(self, prefix: str) -> None:
         """Create a folder and make its name durable."""
