@@ -10,14 +10,20 @@ Real `Holder` objects with their real listeners, one per simulated node (`_mem_n
 
 from __future__ import annotations
 
+import inspect
 import os
 from collections.abc import Iterator
 from typing import Any
 
+import _mem_nodes
 import pytest
+import ray
 from _mem_nodes import NODES, PATH, fenced, put, three_nodes
 
-from forge_ckpt.memory.holder import StaleWriteError
+from forge_ckpt.memory.holder import MAX_FENCES, Holder, StaleWriteError
+from forge_ckpt.memory.holders import Identity
+from forge_ckpt.memory.placement import holder_name
+from forge_ckpt.memory.writer import STREAM_MIN
 from forge_ckpt.storage.base import AlreadyExistsError
 
 
@@ -128,3 +134,136 @@ def _untokened(h: Any) -> Any:
         return True
 
     return create
+
+
+# ---- review 23: breaks of the first version of the fence, each fixed ----------------------
+BIG = STREAM_MIN + 4096  # a file announced this large is streamed as it is written
+
+
+def streamed(nodes: Any, store: Any, node: str, path: str, data: bytes) -> None:
+    """What a snapshot's write does: create-only, size announced, streamed to holders."""
+    nodes.me = node
+    with store.writer(path, exclusive=True) as w:
+        w.size_hint(len(data))
+        w.write(data)
+        w.close()
+
+
+def test_a_streamed_file_carries_the_token_too(tier):
+    """A file of 4 MiB or more streams to its holders as it is written; its record, sent at
+    the end, carried no token, so a stale job's or an earlier attempt's late file landed,
+    and an earlier attempt's late rank file then failed the retry's own as "another
+    writer" (review 23, claim 1)."""
+    nodes, store, holders = tier
+    for h in holders.values():
+        h.configure(h.budget, h.keep, 3)
+    with pytest.raises(StaleWriteError, match="lease generation 2 is older than 3"):
+        streamed(nodes, fenced(store, 2, 7), "C", "step-6/actors/a.0.g2s7.msgpack", b"s" * BIG)
+    assert not any(k.startswith("step-6/") for h in holders.values() for k in h.files)
+    rank, first, retry = "step-5/trainer/rank-0.msgpack", fenced(store, 3, 1), fenced(store, 3, 2)
+    first.fence_step(5)
+    retry.fence_step(5)
+    with pytest.raises(StaleWriteError, match=r"save attempt \(3, 1\)"):
+        streamed(nodes, first, "A", rank, b"1" * BIG)
+    streamed(nodes, retry, "A", rank, b"2" * BIG)
+    assert set(copies(holders, rank).values()) == {b"2" * BIG}
+
+
+class _EarlierRelease:
+    """A holder of the earlier release: the same table; no token arguments, no `fence`."""
+
+    def __init__(self, h: Holder) -> None:
+        self._h = h
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "fence":
+            raise AttributeError(name)
+        return getattr(self._h, name)
+
+    def create(self, key: str, data: bytes, overwrite: bool = False) -> bool:
+        return self._h.create(key, data, overwrite)
+
+    def delete_prefix(self, prefix: str) -> None:
+        self._h.delete_prefix(prefix)
+
+    def rename(self, src: str, dst: str) -> bool:
+        return self._h.rename(src, dst)
+
+
+@pytest.fixture
+def mixed(tier, monkeypatch):
+    """Node A's holder is of the earlier release; calls are checked as they are submitted,
+    as Ray does (a missing method: AttributeError; arguments that do not bind: TypeError)."""
+    real = _mem_nodes._Method.remote
+
+    def ray_like(self: Any, *args: Any) -> Any:
+        inspect.signature(getattr(self.obj, self.name)).bind(*args)
+        return real(self, *args)
+
+    monkeypatch.setattr(_mem_nodes._Method, "remote", ray_like)
+    nodes, store, holders = tier
+    nodes.holders[holder_name("run", "A")] = _EarlierRelease(holders["A"])
+    return tier
+
+
+def test_one_holder_of_an_earlier_release_unfences_only_itself(mixed):
+    """The fallback asked every holder again without the token once one took none: a stale
+    job's removal then went through on the current holders too, a fence never reached the
+    holders listed after the old one, and a rename of this job's own attempt ran twice and
+    failed (review 23, claim 2). Only the old holder is asked without the token now."""
+    nodes, store, holders = mixed
+    for n in "BC":
+        holders[n].configure(holders[n].budget, holders[n].keep, 2)
+    job = fenced(store, 2, 1)
+    job.fence_step(5)
+    put(nodes, job, "A", b"committed" * 1000)
+    job.create("step-5/COMMIT", b"{}")
+    with pytest.raises(StaleWriteError):
+        fenced(store, 1, 4).delete_prefix("step-5")
+    assert all(PATH in holders[n].files for n in "BC")
+    retry, tmp, meta = fenced(store, 2, 3), "step-6/trainer/.metadata.tmp", "step-6/.metadata"
+    fenced(store, 2, 2).fence_step(6)
+    retry.fence_step(6)
+    assert all(holders[n].fences[6] == (2, 3) for n in "BC")
+    put(nodes, retry, "A", b"metadata", path=tmp)
+    retry.rename(tmp, meta)
+    assert [n for n in NODES if meta in holders[n].files] and not copies(holders, tmp)
+
+
+def test_a_holder_started_again_while_the_tier_opens_is_fenced(tier):
+    """The holder found on a node died before its configure(): the one started in its place
+    was never configured, and a stale job's write landed there (review 23, claim 4)."""
+    nodes, store, holders = tier
+    name = holder_name("run", "C")
+
+    class Dying(Holder):
+        def configure(self, *args: Any) -> dict[str, Any]:
+            del nodes.holders[name]  # its process is gone, its name released
+            raise ray.exceptions.RayActorError()
+
+    def start_holder(name: str, namespace: str, node: str, *args: Any) -> None:
+        nodes.me = node
+        nodes.holders[name] = Holder(*args, listen=False)
+
+    nodes.start_holder = start_holder  # type: ignore[method-assign]
+    nodes.me = "C"
+    nodes.holders[name] = Dying("run", "fp", budget=1 << 26, keep=4, listen=False)
+    Identity("run", "fp", "", store.namespace, (2, None)).start(list(NODES), 1 << 26, 4)
+    assert nodes.holders[name] is not holders["C"] and nodes.holders[name].floor == 2
+
+
+def test_the_fences_forgotten_first_are_those_set_longest_ago(tier):
+    """Past MAX_FENCES a holder forgets the lowest step numbers: after a rollback those are
+    the steps being saved, and an aborted attempt's late write then landed (review 23,
+    claim 5). It forgets those fenced longest ago now."""
+    nodes, store, holders = tier
+    job = fenced(store, 1, 1)
+    for s in range(1000, 1000 + MAX_FENCES - 1):  # the abandoned branch's steps
+        job.fence_step(s)
+    first, retry = fenced(store, 1, 9), fenced(store, 1, 10)
+    first.fence_step(6)  # the rollback's step 6: attempt 9 aborted, a write on its way
+    retry.fence_step(6)
+    retry.delete_prefix("step-6")  # attempt 10 aborted too
+    fenced(store, 1, 11).fence_step(7)  # past MAX_FENCES: half are forgotten
+    with pytest.raises(StaleWriteError):
+        put(nodes, first, "A", b"attempt 9, late", path="step-6/trainer/.metadata")

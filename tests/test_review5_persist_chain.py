@@ -95,11 +95,13 @@ async def test_close_stops_every_queued_persist_not_only_the_newest(counter, tmp
     store = coord.tier.store
     real = store.on_all
 
-    def held(method: str, *args: Any) -> Any:  # step 1's persist waits here (slow holder)
+    def held(
+        method: str, *args: Any, **kw: Any
+    ) -> Any:  # step 1's persist waits here (slow holder)
         if method == "has" and any(k.startswith("step-1/") for k in args[0]):
             entered.set()
             assert go.wait(300)
-        return real(method, *args)
+        return real(method, *args, **kw)
 
     monkeypatch.setattr(store, "on_all", held)
     await counter.set.remote(1)
@@ -143,18 +145,20 @@ async def test_a_save_cancelled_in_its_pin_call_leaves_no_pin_behind(
     store = coord.tier.store
     real = store.on_all
 
-    def held(method: str, *args: Any) -> Any:  # the pin of step 2 is slow (a slow holder)
-        if method == "pin" and args[:2] == (2, True):
+    def held(
+        method: str, *args: Any, **kw: Any
+    ) -> Any:  # the pin of step 2 is slow (a slow holder)
+        if method == "pin" and args == (2, True):
             entered.set()
             unpinned.wait(PIN_HOLD_S)
             try:
-                return real(method, *args)
+                return real(method, *args, **kw)
             finally:
                 landed.set()
         try:
-            return real(method, *args)
+            return real(method, *args, **kw)
         finally:
-            if method == "pin" and args[:2] == (2, False):
+            if method == "pin" and args == (2, False):
                 unpinned.set()
 
     monkeypatch.setattr(store, "on_all", held)

@@ -91,14 +91,14 @@ async def test_settle_waits_for_the_unpin_of_a_dropped_persist(counter, tmp_path
     store, order, settled = coord.tier.store, [], threading.Event()
     real = store.on_all
 
-    def held(method: str, *args: Any) -> Any:
-        if method == "pin" and args[:2] == (2, False):
+    def held(method: str, *args: Any, **kw: Any) -> Any:
+        if method == "pin" and args == (2, False):
             settled.wait(UNPIN_HOLD_S)
             try:
-                return real(method, *args)
+                return real(method, *args, **kw)
             finally:
                 order.append("unpinned step 2")
-        return real(method, *args)
+        return real(method, *args, **kw)
 
     monkeypatch.setattr(store, "on_all", held)
     go = await queue_two(coord, counter, monkeypatch)

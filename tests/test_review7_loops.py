@@ -48,14 +48,14 @@ def test_a_loop_that_ends_in_the_follow_tasks_pin_leaves_the_step_pinned(
     entered = threading.Event()
     follows: list[Any] = []
 
-    def held(method: str, *args: Any) -> Any:
-        if method == "pin" and args[:2] == (1, True) and not entered.is_set():
+    def held(method: str, *args: Any, **kw: Any) -> Any:
+        if method == "pin" and args == (1, True) and not entered.is_set():
             entered.set()
             for _ in range(int(WAIT_S / 0.01)):  # until the loop's end cancelled the follow
                 if follows and all(t.done() for t in follows):
                     break
                 threading.Event().wait(0.01)
-        return real(method, *args)
+        return real(method, *args, **kw)
 
     monkeypatch.setattr(store, "on_all", held)
 

@@ -24,6 +24,8 @@ from forge_ckpt.sim.loop import SimQueueLock, SimThread, run_io  # noqa: E402
 from forge_ckpt.sim.memory import SimCluster  # noqa: E402
 from forge_ckpt.sim.scenario import _hermetic  # noqa: E402
 from forge_ckpt.sim.world import PROC, Faults, Proc, World  # noqa: E402
+from forge_ckpt.steps import layout  # noqa: E402
+from forge_ckpt.storage import open_storage  # noqa: E402
 
 TTL = 30.0
 
@@ -268,3 +270,27 @@ def test_each_save_attempt_writes_to_the_holders_with_its_own_token(world, monke
     assert "lease" in a.run(_outcome(a.coord.save(4)))  # refused: it lost the folder
     assert b.run(b.coord.load()).step == 3
     b.coord.close()
+
+
+def test_a_driver_opens_the_folder_after_its_lease_file_was_deleted(world):
+    """docs/format.md says to delete `.forge_ckpt.lease` while no job runs (to bring steps in
+    by hand, or after a damaged lease): the generations restart at 1. The run's holders,
+    left by a driver that died, remembered generation 2 and refused the next driver's
+    configure: it could not open, told it had lost the lease it held (review 23, claim 3).
+    A driver that has just taken the lease, and checks it again, resets them."""
+    a = Job(world, "jobA")
+    assert a.run(a.coord.save(1)).committed
+    world.kill(a.proc)  # no close(): its holders live on
+    wait_out_the_lease(world)
+    b = Job(world, "jobB")  # generation 2
+    assert b.run(b.coord.save(2)).committed
+    world.kill(b.proc)
+    wait_out_the_lease(world)
+    folder = open_storage(world.folder)
+    folder.delete(layout.LEASE)
+    c = Job(world, "jobC")
+    assert c.coord._lease.generation == 1
+    got = c.run(c.coord.load())
+    assert (got.step, got.tier) == (2, "memory")
+    assert c.run(c.coord.save(3)).committed
+    c.coord.close()

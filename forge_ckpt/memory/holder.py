@@ -48,7 +48,7 @@ from .transport import CREATE_ONLY, FENCE, Server
 
 _STEP_RE = re.compile(r"^step-(\d+)(/|$)")
 MAX_CONCURRENCY = 16  # calls a holder serves at once (puts of many writers, reads, a persist)
-MAX_FENCES = 4096  # steps whose attempt a holder remembers (those holding nothing, oldest first)
+MAX_FENCES = 4096  # steps whose attempt a holder remembers (beyond: the longest ago go first)
 Token = tuple[int, int]  # a writer's (lease generation, save attempt; 0: none in particular)
 
 
@@ -124,11 +124,17 @@ class Holder:
                     "pinned": sorted(self.pinned), "persisting": self.persisting,
                     "floor": self.floor}  # fmt: skip
 
-    def configure(self, budget: int, keep: int, generation: int = 0) -> dict[str, Any]:
+    def configure(
+        self, budget: int, keep: int, generation: int = 0, reset: bool = False
+    ) -> dict[str, Any]:
         """A restarted driver's budget and keep apply to the holders it finds; the pins of a
         driver that died mid-persist are dropped (its persist will never finish). From here
-        on, writers of a lease generation older than `generation` are refused."""
+        on, writers of a lease generation older than `generation` are refused. `reset`: the
+        folder's lease was made anew (its file deleted) and its generations restarted: the
+        newer ones remembered here are forgotten (the driver that says so holds the lease)."""
         with self._lock:
+            if reset:
+                self.floor, self.fences = generation, {}
             fence = (generation, 0) if generation else None  # (0: a driver of an earlier
             self._admit(f"mem holder {self.node_id[:8]}", fence, None, True)  # release)
             self.budget, self.keep = budget, keep
@@ -177,10 +183,11 @@ class Holder:
                 errno.EEXIST, f"{where}: step {step} is committed here; save a new step number"
             )
         self._delete_prefix(f"step-{step}")
+        self.fences.pop(step, None)  # (the table is in the order the steps were fenced)
         self.fences[step] = t
-        if len(self.fences) > MAX_FENCES:  # the oldest steps' that hold nothing here go
+        if len(self.fences) > MAX_FENCES:  # those fenced longest ago that hold nothing go
             held = {step_of(k) for k in self.files}
-            for old in sorted(self.fences)[: len(self.fences) // 2]:
+            for old in list(self.fences)[: len(self.fences) // 2]:
                 if old not in held:
                     del self.fences[old]
 

@@ -15,6 +15,7 @@ import json
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import ray
@@ -22,6 +23,7 @@ import ray
 from ..errors import CheckpointError
 from ..storage import AlreadyExistsError, Storage
 from .cluster import current
+from .holder import StaleWriteError
 from .placement import HolderRef, holder_name
 from .store import forget
 
@@ -72,11 +74,18 @@ class Identity:
     """Who a run's holders are: names from `run_id`, owned by (fingerprint, incarnation)."""
 
     def __init__(
-        self, run_id: str, fingerprint: str, inc: str, namespace: str, generation: int = 0
+        self,
+        run_id: str,
+        fingerprint: str,
+        inc: str,
+        namespace: str,
+        lease: tuple[int, Callable[[], None] | None] = (0, None),
     ) -> None:
+        """`lease`: the folder lease's generation (configure() fences older writers; 0: none)
+        and its check (raises if the lease is lost)."""
         self.run_id, self.fingerprint, self.incarnation = run_id, fingerprint, inc
         self.namespace = namespace
-        self.generation = generation  # the folder lease's: configure() fences older writers
+        self.generation, self.confirm = lease
 
     def start(
         self, nodes: list[str], budget: int, keep: int, joined: bool = False
@@ -106,7 +115,7 @@ class Identity:
         ready = []
         for name, node in refs:
             try:
-                self._configure(name, node, budget, keep, wait_s)
+                self._configure(name, node, (budget, keep), wait_s, opening=not joined)
             except ray.exceptions.GetTimeoutError:
                 if not joined:
                     raise self._no_start(node) from None
@@ -116,19 +125,44 @@ class Identity:
             ready.append((name, node))
         return ready
 
-    def _configure(self, name: str, node: str, budget: int, keep: int, wait_s: float) -> None:
+    def _configure(
+        self, name: str, node: str, room: tuple[int, int], wait_s: float, opening: bool
+    ) -> None:
+        """Our budget, keep and lease generation on the holder (`room`: budget and keep);
+        one that died since we looked is started anew, and configured too."""
+        cluster = current()
+        for fresh in (False, True):
+            try:
+                h = cluster.actor(name, self.namespace)
+                self._fence(h, room, wait_s, opening)
+                return
+            except (ValueError, ray.exceptions.RayActorError):
+                if fresh:
+                    raise
+                # It died since we looked (a closing run's holder going away): start anew.
+                self._wait_gone(name)
+                forget(self.namespace, name)
+                self._create(name, node, *room)
+
+    def _fence(self, h: Any, room: tuple[int, int], wait_s: float, opening: bool) -> None:
+        """configure(); a holder that remembers a newer lease generation than ours, while
+        we open the folder under a lease just taken, was fenced under a lease since made
+        anew (its file deleted, as docs/format.md says to do for a copy): its generations
+        restarted. Checked under the lease, the holder takes ours instead."""
         cluster = current()
         try:
-            h = cluster.actor(name, self.namespace)
             try:
-                cluster.get(h.configure.remote(budget, keep, self.generation), timeout=wait_s)
+                cluster.get(h.configure.remote(*room, self.generation), timeout=wait_s)
             except TypeError:  # a holder of an earlier release: not fenced
-                cluster.get(h.configure.remote(budget, keep), timeout=wait_s)
-        except (ValueError, ray.exceptions.RayActorError):
-            # It died since we looked (a closing run's holder going away): start anew.
-            self._wait_gone(name)
-            forget(self.namespace, name)
-            self._create(name, node, budget, keep)
+                cluster.get(h.configure.remote(*room), timeout=wait_s)
+        except StaleWriteError:
+            if not opening or self.confirm is None:
+                raise
+            self.confirm()  # CheckpointLockedError if lost: then the refusal was right
+            log.warning("memory holder %s remembers a newer lease generation than this "
+                        "job's (%d): the folder's lease file was made anew since it started; "
+                        "it takes this job's", h, self.generation)  # fmt: skip
+            cluster.get(h.configure.remote(*room, self.generation, True), timeout=wait_s)
 
     @staticmethod
     def _no_start(node: str) -> CheckpointError:

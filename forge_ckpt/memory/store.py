@@ -40,7 +40,7 @@ from ..storage.base import (
 )
 from . import transport
 from .cluster import current
-from .holder import token_of
+from .holder import Token, token_of
 from .placement import HolderRef, preference
 from .transport import Endpoint, TransportError
 
@@ -175,47 +175,61 @@ class MemoryStorage(Storage):
                     raise
         raise AssertionError("unreachable")
 
-    def on_all(self, method: str, *args: Any) -> list[tuple[HolderRef, Any]]:
-        """The call on every live holder at once; dead ones are left out."""
+    def on_all(
+        self, method: str, *args: Any, token: Token | None = None
+    ) -> list[tuple[HolderRef, Any]]:
+        """The call on every live holder at once; dead ones are left out. `token`: the
+        writer's, the call's last argument; a holder of an earlier release takes none (a
+        driver upgraded within a live run adopts it): that holder alone is asked without
+        it, or left out of a call it lacks (`fence`)."""
         futures = []
         for ref in self.holders:
             try:
-                futures.append((ref, getattr(self.handle(ref[0]), method).remote(*args)))
+                futures.append((ref, *self._submit(ref, method, args, token)))
             except ValueError:  # no such actor (its node died before we looked it up)
                 continue
+            except AttributeError:  # an earlier release's holder lacks the call
+                if token is None:
+                    raise
         out = []
-        for ref, fut in futures:
+        for ref, fut, extra in futures:
             try:
                 out.append((ref, current().get(fut, timeout=60.0)))
             except _DEAD:
                 try:
-                    out.append((ref, self.call(ref, method, *args)))
+                    out.append((ref, self.call(ref, method, *args, *extra)))
                 except _DEAD:
                     continue
+            except (TypeError, AttributeError):
+                if not extra:
+                    raise
+                _earlier_release()
+                if method != "fence":  # (an earlier release has no fence to set)
+                    out.append((ref, self.call(ref, method, *args)))
         return out
 
-    def fenced(self, method: str, *args: Any) -> list[tuple[HolderRef, Any]]:
-        """`on_all` of a change, with this writer's token. Holders of an earlier release
-        (a driver upgraded within a live run adopts them) take no token: asked without."""
-        if self.token is None:
-            return self.on_all(method, *args)
+    def _submit(
+        self, ref: HolderRef, method: str, args: tuple, token: Token | None
+    ) -> tuple[Any, tuple]:
+        """One holder's call started: (its future, the token argument it was given)."""
+        fn = getattr(self.handle(ref[0]), method)
+        if token is None:
+            return fn.remote(*args), ()
         try:
-            return self.on_all(method, *args, self.token)
-        except TypeError:
-            if "fence" not in _warned:
-                _warned.add("fence")
-                log.warning("memory holders of an earlier release: their changes are not "
-                            "fenced by the lease generation")  # fmt: skip
-            return self.on_all(method, *args)
+            return fn.remote(*args, token), (token,)
+        except TypeError:  # Ray checks a call's arguments as it is submitted
+            _earlier_release()
+            return fn.remote(*args), ()
+
+    def fenced(self, method: str, *args: Any) -> list[tuple[HolderRef, Any]]:
+        """`on_all` of a change, with this writer's token (`Holder._admit`)."""
+        return self.on_all(method, *args, token=self.token)
 
     def fence_step(self, step: int) -> None:
         """This save attempt prepares `step` on every live holder: an older attempt's files
         of it go, and its late writes are refused (`Holder.fence`)."""
         if self.token is not None and self.token[1]:
-            try:
-                self.on_all("fence", step, self.token)
-            except (TypeError, AttributeError):  # holders of an earlier release
-                pass
+            self.on_all("fence", step, token=self.token)
 
     def put_copies(
         self,
@@ -501,6 +515,14 @@ class MemoryStorage(Storage):
 
     def move_prefix(self, src: str, dst: str, first: str | None = None) -> None:
         raise StorageError(f"{self.url}: the memory tier does not move steps (drop them)")
+
+
+def _earlier_release() -> None:
+    """A holder of an earlier release took a call without the writer's token: said once."""
+    if "fence" not in _warned:
+        _warned.add("fence")
+        log.warning("memory holders of an earlier release: their changes are not fenced by "
+                    "the lease generation (restart the run's holders to fence them)")  # fmt: skip
 
 
 class _ViaRay:

@@ -32,17 +32,17 @@ def open_tier(
     on_error: Callable[[], None],
     durable: Storage | None = None,
     to_thread: Callable[..., Awaitable[Any]] = asyncio.to_thread,
-    generation: int = 0,
+    lease: tuple[int, Callable[[], None] | None] = (0, None),
 ) -> MemoryTier | None:
     """The memory tier when configured (`memory_every`); `on_error` (the lease's release)
     runs if it cannot start, so a failed coordinator never keeps the folder. `durable`: the
     folder (under the caller's lease), where the folder's incarnation id is kept;
-    `to_thread`: where blocking calls run (the coordinator's Runtime); `generation`: the
-    folder lease's, which fences the holders' changes (0: none)."""
+    `to_thread`: where blocking calls run (the coordinator's Runtime); `lease`: the folder
+    lease's generation, which fences the holders' changes (0: none), and its check."""
     if not config.memory_every:
         return None
     try:
-        return MemoryTier(config, durable, to_thread, generation)
+        return MemoryTier(config, durable, to_thread, lease)
     except BaseException:
         on_error()
         raise
@@ -54,10 +54,10 @@ class MemoryTier:
         config: Any,
         durable: Storage | None = None,
         to_thread: Callable[..., Awaitable[Any]] = asyncio.to_thread,
-        generation: int = 0,
+        lease: tuple[int, Callable[[], None] | None] = (0, None),
     ) -> None:
         self.config = config
-        self.generation = generation  # the folder lease's: the holders refuse older ones
+        self.generation = lease[0]  # the folder lease's: the holders refuse older ones
         self.to_thread = to_thread  # the holders' calls (memory steps, pins)
         # The durable folder's calls of a persist: the coordinator's, under its lease (close()
         # releases it only after they end; a writer that lost it removes nothing).
@@ -67,7 +67,7 @@ class MemoryTier:
         self.namespace = str(config.memory_namespace)
         durable = durable if durable is not None else open_storage(config.storage)
         self.identity = Identity(self.run_id, self.fingerprint, incarnation(durable),
-                                 self.namespace, generation)  # fmt: skip
+                                 self.namespace, lease)  # fmt: skip
         self._use(self._start_holders(alive_nodes()))
         self.saves = 0
         self._recent: list[int] | None = None  # memory steps for retention (None: list them)

@@ -79,7 +79,7 @@ class MemWriter(Writer):
         placed: list[str] = []
         if self.feed is not None:
             if self.pos == len(self.buf):
-                self.feed.finish(transport.record_dict(record, self.exclusive))
+                self.feed.finish(transport.record_dict(record, self.exclusive, self.store.token))
                 placed = end_streams(self.streams)
             else:
                 self._stop_streams()
