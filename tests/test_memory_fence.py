@@ -248,7 +248,7 @@ def test_a_holder_started_again_while_the_tier_opens_is_fenced(tier):
     nodes.start_holder = start_holder  # type: ignore[method-assign]
     nodes.me = "C"
     nodes.holders[name] = Dying("run", "fp", budget=1 << 26, keep=4, listen=False)
-    Identity("run", "fp", "", store.namespace, (2, None)).start(list(NODES), 1 << 26, 4)
+    Identity("run", "fp", "", store.namespace, _Lease(2)).start(list(NODES), 1 << 26, 4)
     assert nodes.holders[name] is not holders["C"] and nodes.holders[name].floor == 2
 
 
@@ -267,3 +267,49 @@ def test_the_fences_forgotten_first_are_those_set_longest_ago(tier):
     fenced(store, 1, 11).fence_step(7)  # past MAX_FENCES: half are forgotten
     with pytest.raises(StaleWriteError):
         put(nodes, first, "A", b"attempt 9, late", path="step-6/trainer/.metadata")
+
+
+class _Lease:
+    """The folder's lease as the holders' `Identity` uses it: a generation, held."""
+
+    def __init__(self, generation: int) -> None:
+        self.generation = generation
+
+    def check(self) -> None:
+        return None
+
+    def raise_generation(self, above: int) -> int:
+        self.generation = max(self.generation, above + 1)
+        return self.generation
+
+
+def test_a_holder_that_was_hung_at_the_tiers_open_is_started_again_when_it_joins(tier):
+    """A holder that did not answer while the tier opened kept the newer generation of a
+    lease file made anew since; found by a later look for new nodes, it refused this job's
+    configure, every look, with "this job lost the lease" (review 24, B3). Under a lease
+    still held, it is started again."""
+    nodes, store, holders = tier
+    for h in holders.values():
+        h.configure(h.budget, h.keep, 5)
+    hung, real = holders["B"], holders["B"].info
+    answers = iter([ray.exceptions.GetTimeoutError("hung")])
+
+    def info() -> dict[str, Any]:
+        error = next(answers, None)
+        if error is not None:
+            raise error
+        return real()
+
+    def start_holder(name: str, namespace: str, node: str, *args: Any) -> None:
+        nodes.me = node
+        nodes.holders[name] = Holder(*args, listen=False)
+
+    nodes.start_holder = start_holder  # type: ignore[method-assign]
+    nodes.kill = lambda h: nodes.holders.pop(holder_name("run", "B"))  # type: ignore[method-assign]
+    hung.info = info  # type: ignore[method-assign]
+    lease = _Lease(1)
+    identity = Identity("run", "fp", "", store.namespace, lease)
+    opened = identity.start(list(NODES), 1 << 26, 4)
+    assert [n for _, n in opened] == ["A", "C"] and lease.generation == 6
+    assert [n for _, n in identity.start(["B"], 1 << 26, 4, joined=True)] == ["B"]
+    assert nodes.holders[holder_name("run", "B")].floor == 6

@@ -19,6 +19,7 @@ from forge_ckpt import CheckpointConfig, CheckpointCoordinator  # noqa: E402
 from forge_ckpt.coordination.runtime import Runtime  # noqa: E402
 from forge_ckpt.errors import CheckpointError  # noqa: E402
 from forge_ckpt.memory import cluster as seam  # noqa: E402
+from forge_ckpt.memory.holder import StaleWriteError  # noqa: E402
 from forge_ckpt.sim.actors import Component, SimActor  # noqa: E402
 from forge_ckpt.sim.loop import SimQueueLock, SimThread, run_io  # noqa: E402
 from forge_ckpt.sim.memory import SimCluster  # noqa: E402
@@ -272,25 +273,52 @@ def test_each_save_attempt_writes_to_the_holders_with_its_own_token(world, monke
     b.coord.close()
 
 
+def lease_file_deleted_under(world: World, stalled: bool) -> tuple[Job, Job]:
+    """Z saved step 1 and died (its holders live on); B (generation 2) saved step 2 and
+    died, or stalls alive past its lease (`stalled`). The lease file is deleted, as
+    docs/format.md says to do while no job runs (an expired lease looks just like that),
+    and C opens the folder: its lease starts again at generation 1. (B, C)"""
+    z = Job(world, "jobZ")
+    assert z.run(z.coord.save(1)).committed
+    world.kill(z.proc)
+    wait_out_the_lease(world)
+    b = Job(world, "jobB")
+    assert b.coord._lease.generation == 2 and b.run(b.coord.save(2)).committed
+    if not stalled:
+        world.kill(b.proc)
+    wait_out_the_lease(world)
+    open_storage(world.folder).delete(layout.LEASE)
+    return b, Job(world, "jobC")
+
+
 def test_a_driver_opens_the_folder_after_its_lease_file_was_deleted(world):
-    """docs/format.md says to delete `.forge_ckpt.lease` while no job runs (to bring steps in
-    by hand, or after a damaged lease): the generations restart at 1. The run's holders,
-    left by a driver that died, remembered generation 2 and refused the next driver's
-    configure: it could not open, told it had lost the lease it held (review 23, claim 3).
-    A driver that has just taken the lease, and checks it again, resets them."""
-    a = Job(world, "jobA")
-    assert a.run(a.coord.save(1)).committed
-    world.kill(a.proc)  # no close(): its holders live on
-    wait_out_the_lease(world)
-    b = Job(world, "jobB")  # generation 2
-    assert b.run(b.coord.save(2)).committed
-    world.kill(b.proc)
-    wait_out_the_lease(world)
-    folder = open_storage(world.folder)
-    folder.delete(layout.LEASE)
-    c = Job(world, "jobC")
-    assert c.coord._lease.generation == 1
+    """The run's holders remembered generation 2 and refused the next driver's generation 1:
+    it could not open, told it had lost the lease it held (review 23, claim 3). It takes a
+    generation newer than any they remember (review 24: lowering theirs let a stalled job
+    of the old lease back in)."""
+    _, c = lease_file_deleted_under(world, stalled=False)
+    assert c.coord._lease.generation == 3  # past the holders' 2, written to the lease
     got = c.run(c.coord.load())
     assert (got.step, got.tier) == (2, "memory")
     assert c.run(c.coord.save(3)).committed
+    c.coord.close()
+
+
+def test_a_job_stalled_under_a_deleted_lease_file_stays_fenced_off(world):
+    """B stalled alive under the deleted lease file: its save, and a late write of one of
+    its ranks, landed on C's holders once they had been reset to C's generation 1, raised
+    their floor back to 2, and every save of C, which holds the lease, was then refused as
+    "lost the lease" (review 24, B1)."""
+    b, c = lease_file_deleted_under(world, stalled=True)
+    assert c.run(c.coord.save(3)).committed
+    assert "lease" in b.run(_outcome(b.coord.save(4)))
+    store, _ = b.coord.tier.attempt(99)  # one of B's ranks, writing late
+    with pytest.raises(StaleWriteError):
+        with store.writer("step-6/trainer/late.distcp", exclusive=True) as w:
+            w.write(b"stale" * 100)
+            w.close()
+    holders = [h.obj for h in world.memory.actors.values() if h.proc.alive]
+    assert not [k for h in holders for k in h.files if k.startswith(("step-4/", "step-6/"))]
+    for step in (5, 6):
+        assert c.run(c.coord.save(step)).committed
     c.coord.close()

@@ -88,7 +88,7 @@ class CheckpointCoordinator:
         self._events = Events(config.on_event)  # one record per save and load (events.py)
         # None: no memory tier
         self.tier = open_tier(config, self._lease.release, self.store, runtime.to_thread,
-                              (self._lease.generation, self._lease.check))  # fmt: skip
+                              self._lease)  # fmt: skip
         if self.tier is not None:
             self.tier.io = self._storage.background
         memory = self.tier.store if self.tier is not None else None

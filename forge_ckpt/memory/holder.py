@@ -124,17 +124,12 @@ class Holder:
                     "pinned": sorted(self.pinned), "persisting": self.persisting,
                     "floor": self.floor}  # fmt: skip
 
-    def configure(
-        self, budget: int, keep: int, generation: int = 0, reset: bool = False
-    ) -> dict[str, Any]:
+    def configure(self, budget: int, keep: int, generation: int = 0) -> dict[str, Any]:
         """A restarted driver's budget and keep apply to the holders it finds; the pins of a
         driver that died mid-persist are dropped (its persist will never finish). From here
-        on, writers of a lease generation older than `generation` are refused. `reset`: the
-        folder's lease was made anew (its file deleted) and its generations restarted: the
-        newer ones remembered here are forgotten (the driver that says so holds the lease)."""
+        on, writers of a lease generation older than `generation` are refused (the floor
+        never goes down: a driver under a lease file made anew takes a newer generation)."""
         with self._lock:
-            if reset:
-                self.floor, self.fences = generation, {}
             fence = (generation, 0) if generation else None  # (0: a driver of an earlier
             self._admit(f"mem holder {self.node_id[:8]}", fence, None, True)  # release)
             self.budget, self.keep = budget, keep

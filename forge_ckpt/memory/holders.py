@@ -15,12 +15,12 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Callable
 from typing import Any
 
 import ray
 
 from ..errors import CheckpointError
+from ..steps.lock import Lease
 from ..storage import AlreadyExistsError, Storage
 from .cluster import current
 from .holder import StaleWriteError
@@ -74,18 +74,17 @@ class Identity:
     """Who a run's holders are: names from `run_id`, owned by (fingerprint, incarnation)."""
 
     def __init__(
-        self,
-        run_id: str,
-        fingerprint: str,
-        inc: str,
-        namespace: str,
-        lease: tuple[int, Callable[[], None] | None] = (0, None),
+        self, run_id: str, fingerprint: str, inc: str, namespace: str, lease: Lease | None = None
     ) -> None:
-        """`lease`: the folder lease's generation (configure() fences older writers; 0: none)
-        and its check (raises if the lease is lost)."""
+        """`lease`: the folder's, held: its generation fences the holders' changes."""
         self.run_id, self.fingerprint, self.incarnation = run_id, fingerprint, inc
         self.namespace = namespace
-        self.generation, self.confirm = lease
+        self.lease = lease
+
+    @property
+    def generation(self) -> int:
+        """What configure() fences older writers by (0: none)."""
+        return 0 if self.lease is None else self.lease.generation
 
     def start(
         self, nodes: list[str], budget: int, keep: int, joined: bool = False
@@ -98,11 +97,11 @@ class Identity:
         if not cluster.ready():
             raise CheckpointError("the memory tier needs Ray: call ray.init() first")
         wait_s = JOIN_WAIT_S if joined else START_TIMEOUT_S
-        refs = []
+        refs, newest = [], 0  # the newest lease generation a holder remembers
         for node in nodes:
             name = holder_name(self.run_id, node)
             try:  # (a holder already there answers within a call's bound, or is hung)
-                self._retire_foreign(name, min(wait_s, CALL_S))
+                newest = max(newest, self._retire_foreign(name, min(wait_s, CALL_S)))
             except NotReady:  # hung (its node not yet declared dead): as if the node were
                 log.warning("memory tier: the holder on node %s does not answer; going on "
                             "without it (a later save looks again)", node[:8])  # fmt: skip
@@ -112,6 +111,8 @@ class Identity:
             except ValueError:
                 self._create(name, node, budget, keep)
             refs.append((name, node))
+        if not joined and self.lease is not None and newest >= self.generation:
+            self._outlived(newest)
         ready = []
         for name, node in refs:
             try:
@@ -125,44 +126,55 @@ class Identity:
             ready.append((name, node))
         return ready
 
+    def _outlived(self, newest: int) -> None:
+        """The run's holders remember lease generation `newest`, not older than the one this
+        job has just taken: the folder's lease file was made anew (deleted, as docs/format.md
+        says to do for a copy) since they were fenced, and its generations restarted. This
+        job takes a newer one still, so that a job that stalled under the old file stays
+        fenced off (review 24: lowering the holders' floor let it in)."""
+        assert self.lease is not None
+        old = self.lease.generation
+        self.lease.raise_generation(newest)
+        log.warning("memory holders of this run remember lease generation %d, newer than the "
+                    "%d this job took: the folder's lease file was made anew since; this job "
+                    "takes generation %d", newest, old, self.lease.generation)  # fmt: skip
+
     def _configure(
         self, name: str, node: str, room: tuple[int, int], wait_s: float, opening: bool
     ) -> None:
         """Our budget, keep and lease generation on the holder (`room`: budget and keep);
-        one that died since we looked is started anew, and configured too."""
+        one that died since we looked is started anew, and configured too. A joined one
+        that remembers a newer generation than ours, while we hold the lease, did not answer
+        when the tier opened (`_outlived` never saw it): it is started anew."""
         cluster = current()
         for fresh in (False, True):
             try:
                 h = cluster.actor(name, self.namespace)
-                self._fence(h, room, wait_s, opening)
+                self._fence(h, room, wait_s)
                 return
             except (ValueError, ray.exceptions.RayActorError):
                 if fresh:
                     raise
                 # It died since we looked (a closing run's holder going away): start anew.
                 self._wait_gone(name)
+            except StaleWriteError:
+                if fresh or opening or self.lease is None:
+                    raise  # a newer job configured it since: this one lost the lease
+                self.lease.check()  # CheckpointLockedError if lost: the refusal was right
+                log.warning("memory holder %s remembers a newer lease generation than this "
+                            "job's, under a lease file made anew since: started again", name)  # fmt: skip
+                cluster.kill(h)
                 forget(self.namespace, name)
-                self._create(name, node, *room)
+                self._wait_gone(name)
+            forget(self.namespace, name)
+            self._create(name, node, *room)
 
-    def _fence(self, h: Any, room: tuple[int, int], wait_s: float, opening: bool) -> None:
-        """configure(); a holder that remembers a newer lease generation than ours, while
-        we open the folder under a lease just taken, was fenced under a lease since made
-        anew (its file deleted, as docs/format.md says to do for a copy): its generations
-        restarted. Checked under the lease, the holder takes ours instead."""
+    def _fence(self, h: Any, room: tuple[int, int], wait_s: float) -> None:
         cluster = current()
         try:
-            try:
-                cluster.get(h.configure.remote(*room, self.generation), timeout=wait_s)
-            except TypeError:  # a holder of an earlier release: not fenced
-                cluster.get(h.configure.remote(*room), timeout=wait_s)
-        except StaleWriteError:
-            if not opening or self.confirm is None:
-                raise
-            self.confirm()  # CheckpointLockedError if lost: then the refusal was right
-            log.warning("memory holder %s remembers a newer lease generation than this "
-                        "job's (%d): the folder's lease file was made anew since it started; "
-                        "it takes this job's", h, self.generation)  # fmt: skip
-            cluster.get(h.configure.remote(*room, self.generation, True), timeout=wait_s)
+            cluster.get(h.configure.remote(*room, self.generation), timeout=wait_s)
+        except TypeError:  # a holder of an earlier release: not fenced
+            cluster.get(h.configure.remote(*room), timeout=wait_s)
 
     @staticmethod
     def _no_start(node: str) -> CheckpointError:
@@ -173,27 +185,29 @@ class Identity:
             "memory tier (memory_every=0)"
         )
 
-    def _retire_foreign(self, name: str, wait_s: float = CALL_S) -> None:
+    def _retire_foreign(self, name: str, wait_s: float = CALL_S) -> int:
         """Kill a holder of this folder left by another run: another fingerprint, or the run
         of an earlier incarnation of the folder (deleted and made again since). NotReady if
-        the holder there does not answer within `wait_s`."""
+        the holder there does not answer within `wait_s`. The lease generation a holder
+        kept remembers (0: none kept)."""
         cluster = current()
         try:
             old = cluster.actor(name, self.namespace)
             info = cluster.get(old.info.remote(), timeout=wait_s)
         except (ValueError, ray.exceptions.RayActorError):
-            return
+            return 0
         except ray.exceptions.GetTimeoutError:
             raise NotReady(name) from None
         theirs = (info["fingerprint"], info.get("incarnation", ""))
         if theirs == (self.fingerprint, self.incarnation):
-            return
+            return int(info.get("floor", 0))
         log.warning("retiring memory holder %s of another run (fingerprint %r, folder "
                     "incarnation %r; ours %r, %r)", name, *theirs, self.fingerprint,
                     self.incarnation)  # fmt: skip
         cluster.kill(old)
         forget(self.namespace, name)
         self._wait_gone(name)
+        return 0
 
     def _wait_gone(self, name: str) -> None:
         cluster = current()

@@ -17,6 +17,7 @@ from typing import Any
 from ..coordination.events import CheckpointEvent, Events
 from ..errors import CheckpointCorruptError, CheckpointError
 from ..steps import branch, commit, layout
+from ..steps.lock import Lease
 from ..storage import FileRecord, Storage, StorageSpec, open_storage
 from .cluster import current
 from .holders import Identity, alive_nodes, incarnation, run_id_of
@@ -32,13 +33,13 @@ def open_tier(
     on_error: Callable[[], None],
     durable: Storage | None = None,
     to_thread: Callable[..., Awaitable[Any]] = asyncio.to_thread,
-    lease: tuple[int, Callable[[], None] | None] = (0, None),
+    lease: Lease | None = None,
 ) -> MemoryTier | None:
     """The memory tier when configured (`memory_every`); `on_error` (the lease's release)
     runs if it cannot start, so a failed coordinator never keeps the folder. `durable`: the
     folder (under the caller's lease), where the folder's incarnation id is kept;
-    `to_thread`: where blocking calls run (the coordinator's Runtime); `lease`: the folder
-    lease's generation, which fences the holders' changes (0: none), and its check."""
+    `to_thread`: where blocking calls run (the coordinator's Runtime); `lease`: the
+    folder's, held: its generation fences the holders' changes."""
     if not config.memory_every:
         return None
     try:
@@ -54,10 +55,9 @@ class MemoryTier:
         config: Any,
         durable: Storage | None = None,
         to_thread: Callable[..., Awaitable[Any]] = asyncio.to_thread,
-        lease: tuple[int, Callable[[], None] | None] = (0, None),
+        lease: Lease | None = None,
     ) -> None:
         self.config = config
-        self.generation = lease[0]  # the folder lease's: the holders refuse older ones
         self.to_thread = to_thread  # the holders' calls (memory steps, pins)
         # The durable folder's calls of a persist: the coordinator's, under its lease (close()
         # releases it only after they end; a writer that lost it removes nothing).
@@ -103,6 +103,11 @@ class MemoryTier:
         self.spec = StorageSpec(f"mem://{self.run_id}", options)
         self.store: MemoryStorage = open_storage(self.spec)  # type: ignore[assignment]
         self.holders: list[HolderRef] = holders
+
+    @property
+    def generation(self) -> int:
+        """The folder lease's (the holders refuse older ones; 0: no lease)."""
+        return self.identity.generation
 
     def attempt(self, number: int) -> tuple[MemoryStorage, StorageSpec]:
         """The storage and spec of one save attempt: what its units write and its commit

@@ -273,6 +273,19 @@ class Lease:
                     "removal, so nothing is removed (the folder's holder removes leftovers)",
                 )
 
+    def raise_generation(self, above: int) -> int:
+        """Take a generation newer than `above`, written now; the new one. For storage that
+        outlives the lease file and remembers a newer generation than this lease's (the
+        memory tier's holders): the file was made anew (deleted) since, and its generations
+        restarted. Raised past what they remember, generations keep increasing, so a job
+        that stalled under the old file stays fenced off. Before this job commits anything."""
+        with self._mutex:
+            self._check_held()
+            if self.generation <= above:
+                self.generation = above + 1
+                self._write()
+            return self.generation
+
     def record(self, step: int, generation: int) -> None:
         """Record `step`'s COMMIT (of lease `generation`) in the lease: the commit point.
         CheckpointLockedError if the lease was lost: the step is then NOT committed (its COMMIT
