@@ -110,9 +110,10 @@ def three_nodes() -> Iterator[tuple[Nodes, Any, dict[str, Holder]]]:
         cluster.install(old)
 
 
-def fenced(store: Any, generation: int, attempt: int) -> Any:
-    """The same holders, written by save `attempt` of a job of lease `generation`."""
-    options = {**store.spec.options, "fence": (generation, attempt)}
+def fenced(store: Any, generation: int, attempt: int, epoch: float = 0.0) -> Any:
+    """The same holders, written by save `attempt` of a job of lease `generation` (of the
+    lease file made at `epoch`)."""
+    options = {**store.spec.options, "fence": (epoch, generation, attempt)}
     return open_storage(StorageSpec(store.spec.url, options))
 
 

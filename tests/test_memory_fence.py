@@ -50,7 +50,10 @@ def test_a_stale_jobs_late_write_is_refused_by_every_holder(tier):
     committed = os.urandom(200_000)
     successor.fence_step(5)
     put(nodes, successor, "B", committed)
-    with pytest.raises(StaleWriteError, match="lease generation 1 is older than 2"):
+    with pytest.raises(
+        StaleWriteError,
+        match="generation 1 of the lease file made at 0.000, older than generation 2",
+    ):
         put(nodes, stale, "C", os.urandom(200_000))
     assert set(copies(holders, PATH).values()) == {committed}
     for n in NODES:
@@ -79,7 +82,7 @@ def test_an_earlier_attempts_late_write_neither_lands_nor_fails_the_retry(tier):
     assert not any(k.startswith("step-5/") for h in holders.values() for k in h.files)
     mine = os.urandom(50_000)
     put(nodes, retry, "B", mine)
-    with pytest.raises(StaleWriteError, match=r"save attempt \(3, 1\) of step 5"):
+    with pytest.raises(StaleWriteError, match="save attempt 1 of step 5, which is attempt 2's now"):
         put(nodes, first, "C", b"attempt 1 metadata, late", path=META)
     first.delete_prefix("step-5")  # the first attempt's abort, late: skipped, no error
     put(nodes, retry, "C", b"attempt 2 metadata", path=META)
@@ -108,12 +111,15 @@ def test_the_generation_is_the_holders_floor_from_configure_on(tier):
     then on an older job's writes are refused, before it writes anything itself."""
     nodes, store, holders = tier
     for h in holders.values():
-        h.configure(h.budget, h.keep, 4)
-    with pytest.raises(StaleWriteError, match="generation 3 is older than 4"):
+        h.configure(h.budget, h.keep, (0.0, 4))
+    with pytest.raises(
+        StaleWriteError,
+        match="generation 3 of the lease file made at 0.000, older than generation 4",
+    ):
         fenced(store, 3, 1).create("step-9/manifest.json", b"{}")
     assert not any(k.startswith("step-9/") for h in holders.values() for k in h.files)
     for h in holders.values():  # a driver of an earlier release configures no generation
-        assert h.configure(h.budget, h.keep)["floor"] == 4
+        assert h.configure(h.budget, h.keep)["floor"] == [0.0, 4]
 
 
 def test_holders_of_an_earlier_release_are_still_written(tier, monkeypatch):
@@ -156,14 +162,17 @@ def test_a_streamed_file_carries_the_token_too(tier):
     writer" (review 23, claim 1)."""
     nodes, store, holders = tier
     for h in holders.values():
-        h.configure(h.budget, h.keep, 3)
-    with pytest.raises(StaleWriteError, match="lease generation 2 is older than 3"):
+        h.configure(h.budget, h.keep, (0.0, 3))
+    with pytest.raises(
+        StaleWriteError,
+        match="generation 2 of the lease file made at 0.000, older than generation 3",
+    ):
         streamed(nodes, fenced(store, 2, 7), "C", "step-6/actors/a.0.g2s7.msgpack", b"s" * BIG)
     assert not any(k.startswith("step-6/") for h in holders.values() for k in h.files)
     rank, first, retry = "step-5/trainer/rank-0.msgpack", fenced(store, 3, 1), fenced(store, 3, 2)
     first.fence_step(5)
     retry.fence_step(5)
-    with pytest.raises(StaleWriteError, match=r"save attempt \(3, 1\)"):
+    with pytest.raises(StaleWriteError, match="save attempt 1 of step 5"):
         streamed(nodes, first, "A", rank, b"1" * BIG)
     streamed(nodes, retry, "A", rank, b"2" * BIG)
     assert set(copies(holders, rank).values()) == {b"2" * BIG}
@@ -213,7 +222,7 @@ def test_one_holder_of_an_earlier_release_unfences_only_itself(mixed):
     failed (review 23, claim 2). Only the old holder is asked without the token now."""
     nodes, store, holders = mixed
     for n in "BC":
-        holders[n].configure(holders[n].budget, holders[n].keep, 2)
+        holders[n].configure(holders[n].budget, holders[n].keep, (0.0, 2))
     job = fenced(store, 2, 1)
     job.fence_step(5)
     put(nodes, job, "A", b"committed" * 1000)
@@ -224,7 +233,7 @@ def test_one_holder_of_an_earlier_release_unfences_only_itself(mixed):
     retry, tmp, meta = fenced(store, 2, 3), "step-6/trainer/.metadata.tmp", "step-6/.metadata"
     fenced(store, 2, 2).fence_step(6)
     retry.fence_step(6)
-    assert all(holders[n].fences[6] == (2, 3) for n in "BC")
+    assert all(holders[n].fences[6] == (0.0, 2, 3) for n in "BC")
     put(nodes, retry, "A", b"metadata", path=tmp)
     retry.rename(tmp, meta)
     assert [n for n in NODES if meta in holders[n].files] and not copies(holders, tmp)
@@ -249,7 +258,7 @@ def test_a_holder_started_again_while_the_tier_opens_is_fenced(tier):
     nodes.me = "C"
     nodes.holders[name] = Dying("run", "fp", budget=1 << 26, keep=4, listen=False)
     Identity("run", "fp", "", store.namespace, _Lease(2)).start(list(NODES), 1 << 26, 4)
-    assert nodes.holders[name] is not holders["C"] and nodes.holders[name].floor == 2
+    assert nodes.holders[name] is not holders["C"] and nodes.holders[name].floor == (0.0, 2)
 
 
 def test_the_fences_forgotten_first_are_those_set_longest_ago(tier):
@@ -270,46 +279,41 @@ def test_the_fences_forgotten_first_are_those_set_longest_ago(tier):
 
 
 class _Lease:
-    """The folder's lease as the holders' `Identity` uses it: a generation, held."""
+    """The folder's lease as the holders' `Identity` uses it: (epoch, generation), held."""
 
-    def __init__(self, generation: int) -> None:
-        self.generation = generation
-
-    def check(self) -> None:
-        return None
-
-    def raise_generation(self, above: int) -> int:
-        self.generation = max(self.generation, above + 1)
-        return self.generation
+    def __init__(self, generation: int, epoch: float = 0.0) -> None:
+        self.fence_token = (epoch, generation)
 
 
-def test_a_holder_that_was_hung_at_the_tiers_open_is_started_again_when_it_joins(tier):
-    """A holder that did not answer while the tier opened kept the newer generation of a
-    lease file made anew since; found by a later look for new nodes, it refused this job's
-    configure, every look, with "this job lost the lease" (review 24, B3). Under a lease
-    still held, it is started again."""
+def test_a_lease_file_made_anew_outranks_every_generation_of_the_one_before(tier):
+    """A lease file deleted by hand (docs/format.md) restarts its generations at 1. Compared
+    by generation alone, a job stalled under the old file (generation 2) was newer than the
+    new file's job (generation 1): its late write landed on the new job's holders, raised
+    their floor and locked the lease's holder out, while resetting the floor let the
+    stalled job in (reviews 24, 25). The epoch, the time the lease file was first made,
+    orders them; a holder that was hung while the tier opened is configured as any other."""
     nodes, store, holders = tier
     for h in holders.values():
-        h.configure(h.budget, h.keep, 5)
-    hung, real = holders["B"], holders["B"].info
-    answers = iter([ray.exceptions.GetTimeoutError("hung")])
+        h.configure(h.budget, h.keep, (100.0, 5))  # the old lease file's job (generation 5)
+    identity = Identity("run", "fp", "", store.namespace, _Lease(1, epoch=200.0))
+    assert [n for _, n in identity.start(list(NODES), 1 << 26, 4)] == list(NODES)
+    assert all(h.floor == (200.0, 1) for h in holders.values())
+    with pytest.raises(StaleWriteError, match="generation 5 of the lease file made at 100"):
+        put(nodes, fenced(store, 5, 3, epoch=100.0), "B", b"stale" * 100)
+    put(nodes, fenced(store, 1, 1, epoch=200.0), "B", b"mine" * 100)
+    assert set(copies(holders, PATH).values()) == {b"mine" * 100}
 
-    def info() -> dict[str, Any]:
-        error = next(answers, None)
-        if error is not None:
-            raise error
-        return real()
 
-    def start_holder(name: str, namespace: str, node: str, *args: Any) -> None:
-        nodes.me = node
-        nodes.holders[name] = Holder(*args, listen=False)
-
-    nodes.start_holder = start_holder  # type: ignore[method-assign]
-    nodes.kill = lambda h: nodes.holders.pop(holder_name("run", "B"))  # type: ignore[method-assign]
-    hung.info = info  # type: ignore[method-assign]
-    lease = _Lease(1)
-    identity = Identity("run", "fp", "", store.namespace, lease)
-    opened = identity.start(list(NODES), 1 << 26, 4)
-    assert [n for _, n in opened] == ["A", "C"] and lease.generation == 6
-    assert [n for _, n in identity.start(["B"], 1 << 26, 4, joined=True)] == ["B"]
-    assert nodes.holders[holder_name("run", "B")].floor == 6
+def test_a_stale_jobs_look_for_new_nodes_leaves_its_successors_holder_alone(tier):
+    """A job that lost the lease, looking for nodes that joined, finds its successor's
+    holder there: it is refused, and the holder and its steps stay (review 25, B2: the look
+    took the refusal for a holder of a lease file made anew, and started it again)."""
+    nodes, store, holders = tier
+    for h in holders.values():
+        h.configure(h.budget, h.keep, (100.0, 2))
+    put(nodes, fenced(store, 2, 1, epoch=100.0), "A", b"committed" * 100)
+    stale = Identity("run", "fp", "", store.namespace, _Lease(1, epoch=100.0))
+    with pytest.raises(StaleWriteError, match="this job lost the folder's lease"):
+        stale.start(["C"], 1 << 26, 4, joined=True)
+    assert nodes.holders[holder_name("run", "C")] is holders["C"]
+    assert PATH in holders["C"].files

@@ -14,11 +14,12 @@ The actor is threaded (`max_concurrency`): a persist that writes for minutes, or
 never holds up a put or a control call, so a holder busy persisting never looks dead. One lock
 guards the file table; bytes are fetched, checksummed and written outside it.
 
-Fenced: every change carries its writer's token, (lease generation, save attempt). A holder
-refuses a generation older than the newest it has seen (`floor`: a job that lost the folder's
-lease shares its successor's holders), and a step's files belong to one save attempt
-(`fences`): a newer attempt's first call drops an older one's files of that step, and an older
-attempt's late write is refused (its late removal leaves the step alone). See docs/tiers.md.
+Fenced: every change carries its writer's token, (lease epoch, lease generation, save
+attempt). A holder refuses a lease older than the newest it has seen (`floor`: a job that lost
+the folder's lease shares its successor's holders; the epoch orders lease files made anew,
+whose generations restart), and a step's files belong to one save attempt (`fences`): a newer
+attempt's first call drops an older one's files of that step, and an older attempt's late
+write is refused (its late removal leaves the step alone). See docs/tiers.md.
 """
 
 from __future__ import annotations
@@ -49,7 +50,8 @@ from .transport import CREATE_ONLY, FENCE, Server
 _STEP_RE = re.compile(r"^step-(\d+)(/|$)")
 MAX_CONCURRENCY = 16  # calls a holder serves at once (puts of many writers, reads, a persist)
 MAX_FENCES = 4096  # steps whose attempt a holder remembers (beyond: the longest ago go first)
-Token = tuple[int, int]  # a writer's (lease generation, save attempt; 0: none in particular)
+Token = tuple[float, int, int]  # a writer's (lease epoch, generation, save attempt; 0: any)
+Mark = tuple[float, int]  # a lease's (epoch, generation): `Lease.fence_token`
 
 
 class MemoryBudgetError(CheckpointError):
@@ -65,8 +67,12 @@ def token_of(value: Any) -> Token | None:
     """A token as it travels (a tuple, or a list through the stream's header), or None."""
     if value is None:
         return None
-    gen, attempt = value
-    return int(gen), int(attempt)
+    epoch, gen, attempt = value
+    return float(epoch), int(gen), int(attempt)
+
+
+def _lease_text(mark: Mark) -> str:
+    return f"generation {mark[1]} of the lease file made at {mark[0]:.3f}"
 
 
 def step_of(key: str) -> int | None:
@@ -93,7 +99,7 @@ class Holder:
         self.budget, self.keep = budget, keep
         self.files: dict[str, bytes | bytearray] = {}
         self.pinned: set[int] = set()  # steps waiting to be persisted: never dropped for room
-        self.floor = 0  # the newest lease generation seen: an older writer is refused
+        self.floor: Mark = (0.0, 0)  # the newest lease seen: an older one's writer is refused
         self.fences: dict[int, Token] = {}  # step -> the save attempt its files here are of
         self.persisting = 0  # persists in progress (for info())
         self._lock = threading.Lock()
@@ -122,15 +128,15 @@ class Holder:
                     "incarnation": self.incarnation, "node_id": self.node_id, "used": used,
                     "budget": self.budget, "files": len(self.files),
                     "pinned": sorted(self.pinned), "persisting": self.persisting,
-                    "floor": self.floor}  # fmt: skip
+                    "floor": list(self.floor)}  # fmt: skip
 
-    def configure(self, budget: int, keep: int, generation: int = 0) -> dict[str, Any]:
+    def configure(self, budget: int, keep: int, lease: Any = None) -> dict[str, Any]:
         """A restarted driver's budget and keep apply to the holders it finds; the pins of a
         driver that died mid-persist are dropped (its persist will never finish). From here
-        on, writers of a lease generation older than `generation` are refused (the floor
-        never goes down: a driver under a lease file made anew takes a newer generation)."""
+        on, writers of a lease older than `lease` ((epoch, generation): the driver's) are
+        refused; the floor never goes down."""
         with self._lock:
-            fence = (generation, 0) if generation else None  # (0: a driver of an earlier
+            fence = None if not lease else (*lease, 0)  # (None: a driver of an earlier
             self._admit(f"mem holder {self.node_id[:8]}", fence, None, True)  # release)
             self.budget, self.keep = budget, keep
             self.pinned.clear()
@@ -150,22 +156,24 @@ class Holder:
         t = token_of(token)
         if t is None:
             return True
-        if t[0] < self.floor:
+        if t[:2] < self.floor:
             raise StaleWriteError(
-                f"{where}: refused: its writer's lease generation {t[0]} is older than "
-                f"{self.floor}, a job that took the folder over since (this job lost the "
-                "folder's lease: it must stop saving; its successor's steps are untouched)"
+                f"{where}: refused: its writer holds {_lease_text(t[:2])}, older than "
+                f"{_lease_text(self.floor)}, which a job that took the folder over since "
+                "holds (this job lost the folder's lease: it must stop saving; its "
+                "successor's steps are untouched)"
             )
-        self.floor = t[0]
-        cur = self.fences.get(step) if step is not None and t[1] else None
-        if step is None or not t[1] or t == cur:
+        self.floor = t[:2]
+        cur = self.fences.get(step) if step is not None and t[2] else None
+        if step is None or not t[2] or t == cur:
             return True
         if cur is not None and t < cur:
             if not write:
                 return False
             raise StaleWriteError(
-                f"{where}: refused: a late write of save attempt {t} of step {step}, which "
-                f"is attempt {cur}'s now (a retry of the save; nothing of it is touched)"
+                f"{where}: refused: a late write of save attempt {t[2]} of step {step}, "
+                f"which is attempt {cur[2]}'s now (a retry of the save; nothing of it is "
+                "touched)"
             )
         if write:
             self._adopt(where, step, t)

@@ -23,7 +23,6 @@ from ..errors import CheckpointError
 from ..steps.lock import Lease
 from ..storage import AlreadyExistsError, Storage
 from .cluster import current
-from .holder import StaleWriteError
 from .placement import HolderRef, holder_name
 from .store import forget
 
@@ -82,9 +81,9 @@ class Identity:
         self.lease = lease
 
     @property
-    def generation(self) -> int:
-        """What configure() fences older writers by (0: none)."""
-        return 0 if self.lease is None else self.lease.generation
+    def mark(self) -> tuple[float, int] | None:
+        """The lease's (epoch, generation), which configure() fences older writers by."""
+        return None if self.lease is None else self.lease.fence_token
 
     def start(
         self, nodes: list[str], budget: int, keep: int, joined: bool = False
@@ -97,11 +96,11 @@ class Identity:
         if not cluster.ready():
             raise CheckpointError("the memory tier needs Ray: call ray.init() first")
         wait_s = JOIN_WAIT_S if joined else START_TIMEOUT_S
-        refs, newest = [], 0  # the newest lease generation a holder remembers
+        refs = []
         for node in nodes:
             name = holder_name(self.run_id, node)
             try:  # (a holder already there answers within a call's bound, or is hung)
-                newest = max(newest, self._retire_foreign(name, min(wait_s, CALL_S)))
+                self._retire_foreign(name, min(wait_s, CALL_S))
             except NotReady:  # hung (its node not yet declared dead): as if the node were
                 log.warning("memory tier: the holder on node %s does not answer; going on "
                             "without it (a later save looks again)", node[:8])  # fmt: skip
@@ -111,12 +110,10 @@ class Identity:
             except ValueError:
                 self._create(name, node, budget, keep)
             refs.append((name, node))
-        if not joined and self.lease is not None and newest >= self.generation:
-            self._outlived(newest)
         ready = []
         for name, node in refs:
             try:
-                self._configure(name, node, (budget, keep), wait_s, opening=not joined)
+                self._configure(name, node, (budget, keep), wait_s)
             except ray.exceptions.GetTimeoutError:
                 if not joined:
                     raise self._no_start(node) from None
@@ -126,55 +123,26 @@ class Identity:
             ready.append((name, node))
         return ready
 
-    def _outlived(self, newest: int) -> None:
-        """The run's holders remember lease generation `newest`, not older than the one this
-        job has just taken: the folder's lease file was made anew (deleted, as docs/format.md
-        says to do for a copy) since they were fenced, and its generations restarted. This
-        job takes a newer one still, so that a job that stalled under the old file stays
-        fenced off (review 24: lowering the holders' floor let it in)."""
-        assert self.lease is not None
-        old = self.lease.generation
-        self.lease.raise_generation(newest)
-        log.warning("memory holders of this run remember lease generation %d, newer than the "
-                    "%d this job took: the folder's lease file was made anew since; this job "
-                    "takes generation %d", newest, old, self.lease.generation)  # fmt: skip
-
-    def _configure(
-        self, name: str, node: str, room: tuple[int, int], wait_s: float, opening: bool
-    ) -> None:
-        """Our budget, keep and lease generation on the holder (`room`: budget and keep);
-        one that died since we looked is started anew, and configured too. A joined one
-        that remembers a newer generation than ours, while we hold the lease, did not answer
-        when the tier opened (`_outlived` never saw it): it is started anew."""
+    def _configure(self, name: str, node: str, room: tuple[int, int], wait_s: float) -> None:
+        """Our budget, keep and lease on the holder (`room`: budget and keep); one that died
+        since we looked is started anew, and configured too. One that a newer lease's job
+        configured since refuses (StaleWriteError: this job lost the folder's lease)."""
         cluster = current()
         for fresh in (False, True):
             try:
                 h = cluster.actor(name, self.namespace)
-                self._fence(h, room, wait_s)
+                try:
+                    cluster.get(h.configure.remote(*room, self.mark), timeout=wait_s)
+                except TypeError:  # a holder of an earlier release: not fenced
+                    cluster.get(h.configure.remote(*room), timeout=wait_s)
                 return
             except (ValueError, ray.exceptions.RayActorError):
                 if fresh:
                     raise
                 # It died since we looked (a closing run's holder going away): start anew.
                 self._wait_gone(name)
-            except StaleWriteError:
-                if fresh or opening or self.lease is None:
-                    raise  # a newer job configured it since: this one lost the lease
-                self.lease.check()  # CheckpointLockedError if lost: the refusal was right
-                log.warning("memory holder %s remembers a newer lease generation than this "
-                            "job's, under a lease file made anew since: started again", name)  # fmt: skip
-                cluster.kill(h)
                 forget(self.namespace, name)
-                self._wait_gone(name)
-            forget(self.namespace, name)
-            self._create(name, node, *room)
-
-    def _fence(self, h: Any, room: tuple[int, int], wait_s: float) -> None:
-        cluster = current()
-        try:
-            cluster.get(h.configure.remote(*room, self.generation), timeout=wait_s)
-        except TypeError:  # a holder of an earlier release: not fenced
-            cluster.get(h.configure.remote(*room), timeout=wait_s)
+                self._create(name, node, *room)
 
     @staticmethod
     def _no_start(node: str) -> CheckpointError:
@@ -185,29 +153,27 @@ class Identity:
             "memory tier (memory_every=0)"
         )
 
-    def _retire_foreign(self, name: str, wait_s: float = CALL_S) -> int:
+    def _retire_foreign(self, name: str, wait_s: float = CALL_S) -> None:
         """Kill a holder of this folder left by another run: another fingerprint, or the run
         of an earlier incarnation of the folder (deleted and made again since). NotReady if
-        the holder there does not answer within `wait_s`. The lease generation a holder
-        kept remembers (0: none kept)."""
+        the holder there does not answer within `wait_s`."""
         cluster = current()
         try:
             old = cluster.actor(name, self.namespace)
             info = cluster.get(old.info.remote(), timeout=wait_s)
         except (ValueError, ray.exceptions.RayActorError):
-            return 0
+            return
         except ray.exceptions.GetTimeoutError:
             raise NotReady(name) from None
         theirs = (info["fingerprint"], info.get("incarnation", ""))
         if theirs == (self.fingerprint, self.incarnation):
-            return int(info.get("floor", 0))
+            return
         log.warning("retiring memory holder %s of another run (fingerprint %r, folder "
                     "incarnation %r; ours %r, %r)", name, *theirs, self.fingerprint,
                     self.incarnation)  # fmt: skip
         cluster.kill(old)
         forget(self.namespace, name)
         self._wait_gone(name)
-        return 0
 
     def _wait_gone(self, name: str) -> None:
         cluster = current()

@@ -98,24 +98,24 @@ class MemoryTier:
         digest = self.config.storage.options.get("digest")
         if digest is not None:
             options["digest"] = digest
-        if self.generation:
-            options["fence"] = (self.generation, 0)
+        if self.mark is not None:
+            options["fence"] = (*self.mark, 0)
         self.spec = StorageSpec(f"mem://{self.run_id}", options)
         self.store: MemoryStorage = open_storage(self.spec)  # type: ignore[assignment]
         self.holders: list[HolderRef] = holders
 
     @property
-    def generation(self) -> int:
-        """The folder lease's (the holders refuse older ones; 0: no lease)."""
-        return self.identity.generation
+    def mark(self) -> tuple[float, int] | None:
+        """The folder lease's (epoch, generation): the holders refuse older ones."""
+        return self.identity.mark
 
     def attempt(self, number: int) -> tuple[MemoryStorage, StorageSpec]:
         """The storage and spec of one save attempt: what its units write and its commit
         carry the attempt's token (the step's files on the holders are that attempt's)."""
-        if not self.generation:
+        if self.mark is None:
             return self.store, self.spec
         spec = StorageSpec(self.spec.url, {**self.spec.options,
-                                           "fence": (self.generation, number)})  # fmt: skip
+                                           "fence": (*self.mark, number)})  # fmt: skip
         return open_storage(spec), spec  # type: ignore[return-value]
 
     def add_new_nodes(self, every_s: float = NODES_EVERY_S) -> list[str]:
