@@ -110,10 +110,9 @@ def three_nodes() -> Iterator[tuple[Nodes, Any, dict[str, Holder]]]:
         cluster.install(old)
 
 
-def fenced(store: Any, generation: int, attempt: int, epoch: float = 0.0) -> Any:
-    """The same holders, written by save `attempt` of a job of lease `generation` (of the
-    lease file made at `epoch`)."""
-    options = {**store.spec.options, "fence": (epoch, generation, attempt)}
+def fenced(store: Any, claim: int, attempt: int) -> Any:
+    """The same holders, written by save `attempt` of the opening of the folder `claim`."""
+    options = {**store.spec.options, "fence": (claim, attempt)}
     return open_storage(StorageSpec(store.spec.url, options))
 
 

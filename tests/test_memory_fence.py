@@ -1,5 +1,5 @@
-"""The memory holders fenced by the writer's token, (lease generation, save attempt): a job
-that lost the folder's lease shares its successor's holders, and a save attempt that was
+"""The memory holders fenced by the writer's token, (claim, save attempt): a job that lost
+the folder's lease shares its successor's holders, and a save attempt that was
 aborted may still have a write on its way (a trainer rank's DCP `.metadata`, whose bytes
 differ per attempt). Before the fence, such a late write landed on a holder that kept no
 file of that name (review 21), where an unverified read could return it, and an earlier
@@ -40,20 +40,30 @@ def copies(holders: dict[str, Any], path: str) -> dict[str, bytes]:
     return {n: bytes(h.files[path]) for n, h in holders.items() if path in h.files}
 
 
+def claim(holders: dict[str, Any], number: int, *nodes: str) -> None:
+    """The opening of the folder `number` configures the holders (all, or those on `nodes`)."""
+    for n in nodes or NODES:
+        holders[n].configure(holders[n].budget, holders[n].keep, number)
+
+
+def opening(store: Any) -> Identity:
+    """A driver's opening of the folder: its claim is newer than any the holders serve."""
+    return Identity("run", "fp", "", store.namespace)
+
+
 def test_a_stale_jobs_late_write_is_refused_by_every_holder(tier):
-    """Generation 2 took the folder over; generation 1's rank on another node writes late.
+    """Opening 2 took the folder over; opening 1's rank on another node writes late.
     Unfenced, one holder refused it and another kept it (test_memory_stale_copies.py);
     fenced, every holder refuses it, and any read, verified or not, returns the committed
     bytes. Its removals and pins are refused too: it learns it lost the folder."""
     nodes, store, holders = tier
+    claim(holders, 1)
+    claim(holders, 2)
     successor, stale = fenced(store, 2, 1), fenced(store, 1, 7)
     committed = os.urandom(200_000)
     successor.fence_step(5)
     put(nodes, successor, "B", committed)
-    with pytest.raises(
-        StaleWriteError,
-        match="generation 1 of the lease file made at 0.000, older than generation 2",
-    ):
+    with pytest.raises(StaleWriteError, match=r"opening of the folder \(1\) is not the one this"):
         put(nodes, stale, "C", os.urandom(200_000))
     assert set(copies(holders, PATH).values()) == {committed}
     for n in NODES:
@@ -74,6 +84,7 @@ def test_an_earlier_attempts_late_write_neither_lands_nor_fails_the_retry(tier):
     landing after, is refused; its late removal (the abort's) leaves attempt 2's files; and
     attempt 2's own `.metadata`, other bytes under the same name, is written."""
     nodes, store, holders = tier
+    claim(holders, 3)
     first, retry = fenced(store, 3, 1), fenced(store, 3, 2)
     first.fence_step(5)
     put(nodes, first, "A", b"attempt 1 data" * 100)
@@ -96,6 +107,7 @@ def test_a_newer_attempt_never_drops_a_committed_step(tier):
     """A committed step is never an older attempt's leftover: fencing it is refused and its
     files stay (a save of a committed step number is refused before, by prepare_step)."""
     nodes, store, holders = tier
+    claim(holders, 1)
     first = fenced(store, 1, 1)
     first.fence_step(5)
     data = os.urandom(10_000)
@@ -106,26 +118,32 @@ def test_a_newer_attempt_never_drops_a_committed_step(tier):
     assert set(copies(holders, PATH).values()) == {data}
 
 
-def test_the_generation_is_the_holders_floor_from_configure_on(tier):
-    """A driver that opens the tier configures the holders with its lease generation: from
-    then on an older job's writes are refused, before it writes anything itself."""
+def test_an_opening_claims_the_holders_with_a_newer_number_than_they_serve(tier):
+    """A driver that opens the folder claims the run's holders with a number newer than any
+    of them serves; from then on every other claim's change is refused, before the new
+    driver writes anything. A claim is taken once: an opening whose configure lands after a
+    newer one's is refused, and is told why."""
     nodes, store, holders = tier
-    for h in holders.values():
-        h.configure(h.budget, h.keep, (0.0, 4))
-    with pytest.raises(
-        StaleWriteError,
-        match="generation 3 of the lease file made at 0.000, older than generation 4",
-    ):
-        fenced(store, 3, 1).create("step-9/manifest.json", b"{}")
+    claim(holders, 4, "A", "B")  # (C was dead or did not answer then)
+    first, second = opening(store), opening(store)
+    first.start(list(NODES), 1 << 26, 4)
+    assert first.claim == 5 and all(h.claim == 5 for h in holders.values())
+    with pytest.raises(StaleWriteError, match=r"opening of the folder \(4\) is not the one"):
+        fenced(store, 4, 1).create("step-9/manifest.json", b"{}")
     assert not any(k.startswith("step-9/") for h in holders.values() for k in h.files)
-    for h in holders.values():  # a driver of an earlier release configures no generation
-        assert h.configure(h.budget, h.keep)["floor"] == [0.0, 4]
+    second.start(list(NODES), 1 << 26, 4)
+    assert second.claim == 6
+    with pytest.raises(StaleWriteError, match="a newer opening of the folder"):
+        claim(holders, 5, "A")  # the first one's configure, landing late
+    for h in holders.values():  # a driver of an earlier release claims nothing
+        assert h.configure(h.budget, h.keep)["claim"] == 6
 
 
 def test_holders_of_an_earlier_release_are_still_written(tier, monkeypatch):
     """Holders a driver upgraded within a live run adopts take no token: the changes are
     asked without one (unfenced, as before), not refused with a TypeError."""
     nodes, store, holders = tier
+    claim(holders, 2)
     for h in holders.values():
         monkeypatch.setattr(h, "create", _untokened(h))
     assert fenced(store, 2, 1).create("step-1/COMMIT", b"{}")
@@ -142,7 +160,7 @@ def _untokened(h: Any) -> Any:
     return create
 
 
-# ---- review 23: breaks of the first version of the fence, each fixed ----------------------
+# ---- reviews 23-26: breaks of earlier versions of the fence, each fixed -------------------
 BIG = STREAM_MIN + 4096  # a file announced this large is streamed as it is written
 
 
@@ -161,12 +179,8 @@ def test_a_streamed_file_carries_the_token_too(tier):
     and an earlier attempt's late rank file then failed the retry's own as "another
     writer" (review 23, claim 1)."""
     nodes, store, holders = tier
-    for h in holders.values():
-        h.configure(h.budget, h.keep, (0.0, 3))
-    with pytest.raises(
-        StaleWriteError,
-        match="generation 2 of the lease file made at 0.000, older than generation 3",
-    ):
+    claim(holders, 3)
+    with pytest.raises(StaleWriteError, match=r"opening of the folder \(2\) is not the one"):
         streamed(nodes, fenced(store, 2, 7), "C", "step-6/actors/a.0.g2s7.msgpack", b"s" * BIG)
     assert not any(k.startswith("step-6/") for h in holders.values() for k in h.files)
     rank, first, retry = "step-5/trainer/rank-0.msgpack", fenced(store, 3, 1), fenced(store, 3, 2)
@@ -221,8 +235,7 @@ def test_one_holder_of_an_earlier_release_unfences_only_itself(mixed):
     holders listed after the old one, and a rename of this job's own attempt ran twice and
     failed (review 23, claim 2). Only the old holder is asked without the token now."""
     nodes, store, holders = mixed
-    for n in "BC":
-        holders[n].configure(holders[n].budget, holders[n].keep, (0.0, 2))
+    claim(holders, 2, "B", "C")
     job = fenced(store, 2, 1)
     job.fence_step(5)
     put(nodes, job, "A", b"committed" * 1000)
@@ -233,13 +246,13 @@ def test_one_holder_of_an_earlier_release_unfences_only_itself(mixed):
     retry, tmp, meta = fenced(store, 2, 3), "step-6/trainer/.metadata.tmp", "step-6/.metadata"
     fenced(store, 2, 2).fence_step(6)
     retry.fence_step(6)
-    assert all(holders[n].fences[6] == (0.0, 2, 3) for n in "BC")
+    assert all(holders[n].fences[6] == (2, 3) for n in "BC")
     put(nodes, retry, "A", b"metadata", path=tmp)
     retry.rename(tmp, meta)
     assert [n for n in NODES if meta in holders[n].files] and not copies(holders, tmp)
 
 
-def test_a_holder_started_again_while_the_tier_opens_is_fenced(tier):
+def test_a_holder_started_again_while_the_tier_opens_is_claimed(tier):
     """The holder found on a node died before its configure(): the one started in its place
     was never configured, and a stale job's write landed there (review 23, claim 4)."""
     nodes, store, holders = tier
@@ -257,8 +270,10 @@ def test_a_holder_started_again_while_the_tier_opens_is_fenced(tier):
     nodes.start_holder = start_holder  # type: ignore[method-assign]
     nodes.me = "C"
     nodes.holders[name] = Dying("run", "fp", budget=1 << 26, keep=4, listen=False)
-    Identity("run", "fp", "", store.namespace, _Lease(2)).start(list(NODES), 1 << 26, 4)
-    assert nodes.holders[name] is not holders["C"] and nodes.holders[name].floor == (0.0, 2)
+    identity = opening(store)
+    identity.start(list(NODES), 1 << 26, 4)
+    assert nodes.holders[name] is not holders["C"]
+    assert nodes.holders[name].claim == identity.claim == 1
 
 
 def test_the_fences_forgotten_first_are_those_set_longest_ago(tier):
@@ -266,6 +281,7 @@ def test_the_fences_forgotten_first_are_those_set_longest_ago(tier):
     the steps being saved, and an aborted attempt's late write then landed (review 23,
     claim 5). It forgets those fenced longest ago now."""
     nodes, store, holders = tier
+    claim(holders, 1)
     job = fenced(store, 1, 1)
     for s in range(1000, 1000 + MAX_FENCES - 1):  # the abandoned branch's steps
         job.fence_step(s)
@@ -278,42 +294,37 @@ def test_the_fences_forgotten_first_are_those_set_longest_ago(tier):
         put(nodes, first, "A", b"attempt 9, late", path="step-6/trainer/.metadata")
 
 
-class _Lease:
-    """The folder's lease as the holders' `Identity` uses it: (epoch, generation), held."""
-
-    def __init__(self, generation: int, epoch: float = 0.0) -> None:
-        self.fence_token = (epoch, generation)
-
-
-def test_a_lease_file_made_anew_outranks_every_generation_of_the_one_before(tier):
-    """A lease file deleted by hand (docs/format.md) restarts its generations at 1. Compared
-    by generation alone, a job stalled under the old file (generation 2) was newer than the
-    new file's job (generation 1): its late write landed on the new job's holders, raised
-    their floor and locked the lease's holder out, while resetting the floor let the
-    stalled job in (reviews 24, 25). The epoch, the time the lease file was first made,
-    orders them; a holder that was hung while the tier opened is configured as any other."""
+def test_a_stalled_job_with_a_higher_number_than_fresh_holders_is_refused(tier):
+    """Compared by lease generation, a job stalled under a lease file deleted by hand (its
+    generations restart at 1), or whose holders all died and were started again, was
+    "newer" than the lease's holder: its late write landed, raised the holders' floor and
+    locked the lease's holder out (reviews 24-26; epochs by clock failed on clock skew and
+    on a driver of an earlier release in between). A holder serves one claim: any other
+    claim's change is refused, whatever its number."""
     nodes, store, holders = tier
-    for h in holders.values():
-        h.configure(h.budget, h.keep, (100.0, 5))  # the old lease file's job (generation 5)
-    identity = Identity("run", "fp", "", store.namespace, _Lease(1, epoch=200.0))
-    assert [n for _, n in identity.start(list(NODES), 1 << 26, 4)] == list(NODES)
-    assert all(h.floor == (200.0, 1) for h in holders.values())
-    with pytest.raises(StaleWriteError, match="generation 5 of the lease file made at 100"):
-        put(nodes, fenced(store, 5, 3, epoch=100.0), "B", b"stale" * 100)
-    put(nodes, fenced(store, 1, 1, epoch=200.0), "B", b"mine" * 100)
+    identity = opening(store)  # fresh holders: this opening claims 1
+    identity.start(list(NODES), 1 << 26, 4)
+    assert identity.claim == 1
+    with pytest.raises(StaleWriteError, match=r"opening of the folder \(7\) is not the one"):
+        put(nodes, fenced(store, 7, 3), "B", b"stale" * 100)
+    put(nodes, fenced(store, 1, 1), "B", b"mine" * 100)
     assert set(copies(holders, PATH).values()) == {b"mine" * 100}
+    assert all(h.claim == 1 for h in holders.values())
 
 
 def test_a_stale_jobs_look_for_new_nodes_leaves_its_successors_holder_alone(tier):
     """A job that lost the lease, looking for nodes that joined, finds its successor's
-    holder there: it is refused, and the holder and its steps stay (review 25, B2: the look
-    took the refusal for a holder of a lease file made anew, and started it again)."""
+    holder there: it is refused, and the holder and its steps stay (review 25, B2: a look
+    that took the refusal for a holder of a lease file made anew started it again); also a
+    holder that did not answer when this opening began, found later, serving another
+    claim, is left out rather than taken (review 24, B3)."""
     nodes, store, holders = tier
-    for h in holders.values():
-        h.configure(h.budget, h.keep, (100.0, 2))
-    put(nodes, fenced(store, 2, 1, epoch=100.0), "A", b"committed" * 100)
-    stale = Identity("run", "fp", "", store.namespace, _Lease(1, epoch=100.0))
-    with pytest.raises(StaleWriteError, match="this job lost the folder's lease"):
+    stale = opening(store)
+    stale.start(["A", "B"], 1 << 26, 4)
+    successor = opening(store)
+    successor.start(list(NODES), 1 << 26, 4)
+    put(nodes, fenced(store, successor.claim, 1), "A", b"committed" * 100)
+    with pytest.raises(StaleWriteError, match="serves another opening of the folder"):
         stale.start(["C"], 1 << 26, 4, joined=True)
     assert nodes.holders[holder_name("run", "C")] is holders["C"]
-    assert PATH in holders["C"].files
+    assert PATH in holders["C"].files and holders["C"].claim == successor.claim

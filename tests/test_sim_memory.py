@@ -261,13 +261,14 @@ def test_each_save_attempt_writes_to_the_holders_with_its_own_token(world, monke
 
     monkeypatch.setattr(Component, "forge_begin_save", spy)
     a, b = stale_and_successor(world)
-    gen_a, gen_b = a.coord._lease.generation, b.coord._lease.generation
-    assert gen_b > gen_a and seen and all(g == gen_a for _, g, _ in seen)
+    assert a.coord.tier is not None and b.coord.tier is not None
+    claim_a, claim_b = a.coord.tier.claim, b.coord.tier.claim
+    assert claim_b > claim_a and seen and all(c == claim_a for c, _ in seen)
     assert b.run(b.coord.save(2)).committed and b.run(b.coord.save(3)).committed
-    mine = [t for t in seen if t[1] == gen_b]
-    assert len(mine) == 2 and mine[0][2] < mine[1][2]  # one attempt per save, in order
+    mine = [t for t in seen if t[0] == claim_b]
+    assert len(mine) == 2 and mine[0][1] < mine[1][1]  # one attempt per save, in order
     holders = [h.obj for h in world.memory.actors.values() if h.proc.alive]
-    assert all(h.floor == mine[1][:2] and h.fences.get(3) == mine[1] for h in holders)
+    assert all(h.claim == claim_b and h.fences.get(3) == mine[1] for h in holders)
     assert "lease" in a.run(_outcome(a.coord.save(4)))  # refused: it lost the folder
     assert b.run(b.coord.load()).step == 3
     b.coord.close()
@@ -293,10 +294,12 @@ def lease_file_deleted_under(world: World, stalled: bool) -> tuple[Job, Job]:
 
 def test_a_driver_opens_the_folder_after_its_lease_file_was_deleted(world):
     """The run's holders remembered generation 2 and refused the next driver's generation 1:
-    it could not open, told it had lost the lease it held (review 23, claim 3). The new
-    lease file's epoch, the time it was made, outranks every generation of the old one."""
+    it could not open, told it had lost the lease it held (review 23, claim 3). The holders
+    are claimed by each opening of the folder, whatever the lease's generation."""
     b, c = lease_file_deleted_under(world, stalled=False)
-    assert c.coord._lease.generation == 1 and c.coord._lease.epoch > b.coord._lease.epoch
+    assert c.coord._lease.generation == 1
+    assert c.coord.tier is not None and b.coord.tier is not None
+    assert c.coord.tier.claim > b.coord.tier.claim
     got = c.run(c.coord.load())
     assert (got.step, got.tier) == (2, "memory")
     assert c.run(c.coord.save(3)).committed
@@ -308,7 +311,8 @@ def test_a_job_stalled_under_a_deleted_lease_file_stays_fenced_off(world):
     its ranks, landed on C's holders once they had been reset to C's generation 1, raised
     their floor back to 2, and every save of C, which holds the lease, was then refused as
     "lost the lease" (review 24, B1); with the holders' floor raised past it instead, its
-    write still landed on holders that did not remember its generation (review 25, B1)."""
+    write still landed on holders that did not remember its generation (review 25, B1).
+    Each opening of the folder claims the holders; no other claim's change is taken."""
     b, c = lease_file_deleted_under(world, stalled=True)
     assert c.run(c.coord.save(3)).committed
     assert "lease" in b.run(_outcome(b.coord.save(4)))

@@ -14,12 +14,12 @@ The actor is threaded (`max_concurrency`): a persist that writes for minutes, or
 never holds up a put or a control call, so a holder busy persisting never looks dead. One lock
 guards the file table; bytes are fetched, checksummed and written outside it.
 
-Fenced: every change carries its writer's token, (lease epoch, lease generation, save
-attempt). A holder refuses a lease older than the newest it has seen (`floor`: a job that lost
-the folder's lease shares its successor's holders; the epoch orders lease files made anew,
-whose generations restart), and a step's files belong to one save attempt (`fences`): a newer
-attempt's first call drops an older one's files of that step, and an older attempt's late
-write is refused (its late removal leaves the step alone). See docs/tiers.md.
+Fenced: every change carries its writer's token, (claim, save attempt). A driver that opens
+the folder (under its lease) claims the run's holders with a number newer than any they
+serve; a holder then refuses every other claim's change (a job that lost the folder's lease
+shares its successor's holders), and a step's files belong to one save attempt (`fences`): a
+newer attempt's first call drops an older one's files of that step, and an older attempt's
+late write is refused (its late removal leaves the step alone). See docs/tiers.md.
 """
 
 from __future__ import annotations
@@ -50,8 +50,7 @@ from .transport import CREATE_ONLY, FENCE, Server
 _STEP_RE = re.compile(r"^step-(\d+)(/|$)")
 MAX_CONCURRENCY = 16  # calls a holder serves at once (puts of many writers, reads, a persist)
 MAX_FENCES = 4096  # steps whose attempt a holder remembers (beyond: the longest ago go first)
-Token = tuple[float, int, int]  # a writer's (lease epoch, generation, save attempt; 0: any)
-Mark = tuple[float, int]  # a lease's (epoch, generation): `Lease.fence_token`
+Token = tuple[int, int]  # a writer's (claim, save attempt; 0: any of that claim's)
 
 
 class MemoryBudgetError(CheckpointError):
@@ -67,12 +66,8 @@ def token_of(value: Any) -> Token | None:
     """A token as it travels (a tuple, or a list through the stream's header), or None."""
     if value is None:
         return None
-    epoch, gen, attempt = value
-    return float(epoch), int(gen), int(attempt)
-
-
-def _lease_text(mark: Mark) -> str:
-    return f"generation {mark[1]} of the lease file made at {mark[0]:.3f}"
+    claim, attempt = value
+    return int(claim), int(attempt)
 
 
 def step_of(key: str) -> int | None:
@@ -99,7 +94,7 @@ class Holder:
         self.budget, self.keep = budget, keep
         self.files: dict[str, bytes | bytearray] = {}
         self.pinned: set[int] = set()  # steps waiting to be persisted: never dropped for room
-        self.floor: Mark = (0.0, 0)  # the newest lease seen: an older one's writer is refused
+        self.claim = 0  # the opening of the folder this holder serves (0: none yet)
         self.fences: dict[int, Token] = {}  # step -> the save attempt its files here are of
         self.persisting = 0  # persists in progress (for info())
         self._lock = threading.Lock()
@@ -128,19 +123,39 @@ class Holder:
                     "incarnation": self.incarnation, "node_id": self.node_id, "used": used,
                     "budget": self.budget, "files": len(self.files),
                     "pinned": sorted(self.pinned), "persisting": self.persisting,
-                    "floor": list(self.floor)}  # fmt: skip
+                    "claim": self.claim}  # fmt: skip
 
-    def configure(self, budget: int, keep: int, lease: Any = None) -> dict[str, Any]:
+    def configure(
+        self, budget: int, keep: int, claim: int = 0, joined: bool = False
+    ) -> dict[str, Any]:
         """A restarted driver's budget and keep apply to the holders it finds; the pins of a
-        driver that died mid-persist are dropped (its persist will never finish). From here
-        on, writers of a lease older than `lease` ((epoch, generation): the driver's) are
-        refused; the floor never goes down."""
+        driver that died mid-persist are dropped (its persist will never finish). `claim`:
+        the driver's opening of the folder (0: a driver of an earlier release, unfenced);
+        from here on, every other claim's change is refused."""
         with self._lock:
-            fence = None if not lease else (*lease, 0)  # (None: a driver of an earlier
-            self._admit(f"mem holder {self.node_id[:8]}", fence, None, True)  # release)
+            if claim:
+                self._claim(claim, joined)
             self.budget, self.keep = budget, keep
             self.pinned.clear()
         return self.info()
+
+    def _claim(self, claim: int, joined: bool) -> None:
+        """An opening of the folder takes this holder (the caller holds the lock): one newer
+        than the claim it serves, or, for a holder that joined later, an unclaimed one."""
+        where = f"mem holder {self.node_id[:8]} (run {self.run_id})"
+        if joined and self.claim not in (0, claim):
+            raise StaleWriteError(
+                f"{where} serves another opening of the folder ({self.claim}) than this "
+                f"job's ({claim}): left to it (if this job holds the folder's lease, that "
+                "one lost it; forge_ckpt.memory.release_holders frees it once it is gone)"
+            )
+        if not joined and claim <= self.claim:
+            raise StaleWriteError(
+                f"{where}: a newer opening of the folder ({self.claim}) took it since this "
+                f"job's ({claim}) began: this job lost the folder's lease, or two opened at "
+                "once (open the folder again)"
+            )
+        self.claim = claim
 
     def fence(self, step: int, token: Any) -> None:
         """A save attempt prepares `step`: the step's files of an older attempt go, and that
@@ -156,23 +171,22 @@ class Holder:
         t = token_of(token)
         if t is None:
             return True
-        if t[:2] < self.floor:
+        if t[0] != self.claim:
             raise StaleWriteError(
-                f"{where}: refused: its writer holds {_lease_text(t[:2])}, older than "
-                f"{_lease_text(self.floor)}, which a job that took the folder over since "
-                "holds (this job lost the folder's lease: it must stop saving; its "
+                f"{where}: refused: its writer's opening of the folder ({t[0]}) is not the "
+                f"one this holder serves ({self.claim}), which a job that took the folder "
+                "over since made (this job lost the folder's lease: it must stop saving; its "
                 "successor's steps are untouched)"
             )
-        self.floor = t[:2]
-        cur = self.fences.get(step) if step is not None and t[2] else None
-        if step is None or not t[2] or t == cur:
+        cur = self.fences.get(step) if step is not None and t[1] else None
+        if step is None or not t[1] or t == cur:
             return True
         if cur is not None and t < cur:
             if not write:
                 return False
             raise StaleWriteError(
-                f"{where}: refused: a late write of save attempt {t[2]} of step {step}, "
-                f"which is attempt {cur[2]}'s now (a retry of the save; nothing of it is "
+                f"{where}: refused: a late write of save attempt {t[1]} of step {step}, "
+                f"which is attempt {cur[1]}'s now (a retry of the save; nothing of it is "
                 "touched)"
             )
         if write:

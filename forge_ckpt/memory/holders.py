@@ -20,7 +20,6 @@ from typing import Any
 import ray
 
 from ..errors import CheckpointError
-from ..steps.lock import Lease
 from ..storage import AlreadyExistsError, Storage
 from .cluster import current
 from .placement import HolderRef, holder_name
@@ -72,18 +71,12 @@ def alive_nodes() -> list[str]:
 class Identity:
     """Who a run's holders are: names from `run_id`, owned by (fingerprint, incarnation)."""
 
-    def __init__(
-        self, run_id: str, fingerprint: str, inc: str, namespace: str, lease: Lease | None = None
-    ) -> None:
-        """`lease`: the folder's, held: its generation fences the holders' changes."""
+    def __init__(self, run_id: str, fingerprint: str, inc: str, namespace: str) -> None:
         self.run_id, self.fingerprint, self.incarnation = run_id, fingerprint, inc
         self.namespace = namespace
-        self.lease = lease
-
-    @property
-    def mark(self) -> tuple[float, int] | None:
-        """The lease's (epoch, generation), which configure() fences older writers by."""
-        return None if self.lease is None else self.lease.fence_token
+        # This opening of the folder: newer than any the holders served when it began (set
+        # by the first start()); every change the holders make carries it (`Holder._admit`).
+        self.claim = 0
 
     def start(
         self, nodes: list[str], budget: int, keep: int, joined: bool = False
@@ -96,11 +89,11 @@ class Identity:
         if not cluster.ready():
             raise CheckpointError("the memory tier needs Ray: call ray.init() first")
         wait_s = JOIN_WAIT_S if joined else START_TIMEOUT_S
-        refs = []
+        refs, served = [], 0  # the newest claim a holder serves
         for node in nodes:
             name = holder_name(self.run_id, node)
             try:  # (a holder already there answers within a call's bound, or is hung)
-                self._retire_foreign(name, min(wait_s, CALL_S))
+                served = max(served, self._retire_foreign(name, min(wait_s, CALL_S)))
             except NotReady:  # hung (its node not yet declared dead): as if the node were
                 log.warning("memory tier: the holder on node %s does not answer; going on "
                             "without it (a later save looks again)", node[:8])  # fmt: skip
@@ -110,10 +103,12 @@ class Identity:
             except ValueError:
                 self._create(name, node, budget, keep)
             refs.append((name, node))
+        if not joined:
+            self.claim = served + 1
         ready = []
         for name, node in refs:
             try:
-                self._configure(name, node, (budget, keep), wait_s)
+                self._configure(name, node, (budget, keep), wait_s, joined)
             except ray.exceptions.GetTimeoutError:
                 if not joined:
                     raise self._no_start(node) from None
@@ -123,16 +118,18 @@ class Identity:
             ready.append((name, node))
         return ready
 
-    def _configure(self, name: str, node: str, room: tuple[int, int], wait_s: float) -> None:
-        """Our budget, keep and lease on the holder (`room`: budget and keep); one that died
-        since we looked is started anew, and configured too. One that a newer lease's job
-        configured since refuses (StaleWriteError: this job lost the folder's lease)."""
+    def _configure(
+        self, name: str, node: str, room: tuple[int, int], wait_s: float, joined: bool
+    ) -> None:
+        """Our budget, keep and claim on the holder (`room`: budget and keep); one that died
+        since we looked is started anew, and configured too. StaleWriteError if another
+        opening of the folder claimed it (`Holder._claim`)."""
         cluster = current()
         for fresh in (False, True):
             try:
                 h = cluster.actor(name, self.namespace)
                 try:
-                    cluster.get(h.configure.remote(*room, self.mark), timeout=wait_s)
+                    cluster.get(h.configure.remote(*room, self.claim, joined), timeout=wait_s)
                 except TypeError:  # a holder of an earlier release: not fenced
                     cluster.get(h.configure.remote(*room), timeout=wait_s)
                 return
@@ -153,27 +150,29 @@ class Identity:
             "memory tier (memory_every=0)"
         )
 
-    def _retire_foreign(self, name: str, wait_s: float = CALL_S) -> None:
+    def _retire_foreign(self, name: str, wait_s: float = CALL_S) -> int:
         """Kill a holder of this folder left by another run: another fingerprint, or the run
         of an earlier incarnation of the folder (deleted and made again since). NotReady if
-        the holder there does not answer within `wait_s`."""
+        the holder there does not answer within `wait_s`. The claim a kept holder serves
+        (0: none)."""
         cluster = current()
         try:
             old = cluster.actor(name, self.namespace)
             info = cluster.get(old.info.remote(), timeout=wait_s)
         except (ValueError, ray.exceptions.RayActorError):
-            return
+            return 0
         except ray.exceptions.GetTimeoutError:
             raise NotReady(name) from None
         theirs = (info["fingerprint"], info.get("incarnation", ""))
         if theirs == (self.fingerprint, self.incarnation):
-            return
+            return int(info.get("claim", 0))
         log.warning("retiring memory holder %s of another run (fingerprint %r, folder "
                     "incarnation %r; ours %r, %r)", name, *theirs, self.fingerprint,
                     self.incarnation)  # fmt: skip
         cluster.kill(old)
         forget(self.namespace, name)
         self._wait_gone(name)
+        return 0
 
     def _wait_gone(self, name: str) -> None:
         cluster = current()

@@ -17,7 +17,6 @@ from typing import Any
 from ..coordination.events import CheckpointEvent, Events
 from ..errors import CheckpointCorruptError, CheckpointError
 from ..steps import branch, commit, layout
-from ..steps.lock import Lease
 from ..storage import FileRecord, Storage, StorageSpec, open_storage
 from .cluster import current
 from .holders import Identity, alive_nodes, incarnation, run_id_of
@@ -33,17 +32,15 @@ def open_tier(
     on_error: Callable[[], None],
     durable: Storage | None = None,
     to_thread: Callable[..., Awaitable[Any]] = asyncio.to_thread,
-    lease: Lease | None = None,
 ) -> MemoryTier | None:
     """The memory tier when configured (`memory_every`); `on_error` (the lease's release)
     runs if it cannot start, so a failed coordinator never keeps the folder. `durable`: the
     folder (under the caller's lease), where the folder's incarnation id is kept;
-    `to_thread`: where blocking calls run (the coordinator's Runtime); `lease`: the
-    folder's, held: its generation fences the holders' changes."""
+    `to_thread`: where blocking calls run (the coordinator's Runtime)."""
     if not config.memory_every:
         return None
     try:
-        return MemoryTier(config, durable, to_thread, lease)
+        return MemoryTier(config, durable, to_thread)
     except BaseException:
         on_error()
         raise
@@ -55,7 +52,6 @@ class MemoryTier:
         config: Any,
         durable: Storage | None = None,
         to_thread: Callable[..., Awaitable[Any]] = asyncio.to_thread,
-        lease: Lease | None = None,
     ) -> None:
         self.config = config
         self.to_thread = to_thread  # the holders' calls (memory steps, pins)
@@ -67,7 +63,7 @@ class MemoryTier:
         self.namespace = str(config.memory_namespace)
         durable = durable if durable is not None else open_storage(config.storage)
         self.identity = Identity(self.run_id, self.fingerprint, incarnation(durable),
-                                 self.namespace, lease)  # fmt: skip
+                                 self.namespace)  # fmt: skip
         self._use(self._start_holders(alive_nodes()))
         self.saves = 0
         self._recent: list[int] | None = None  # memory steps for retention (None: list them)
@@ -98,24 +94,24 @@ class MemoryTier:
         digest = self.config.storage.options.get("digest")
         if digest is not None:
             options["digest"] = digest
-        if self.mark is not None:
-            options["fence"] = (*self.mark, 0)
+        if self.claim:
+            options["fence"] = (self.claim, 0)
         self.spec = StorageSpec(f"mem://{self.run_id}", options)
         self.store: MemoryStorage = open_storage(self.spec)  # type: ignore[assignment]
         self.holders: list[HolderRef] = holders
 
     @property
-    def mark(self) -> tuple[float, int] | None:
-        """The folder lease's (epoch, generation): the holders refuse older ones."""
-        return self.identity.mark
+    def claim(self) -> int:
+        """This opening of the folder: the holders refuse every other one's changes."""
+        return self.identity.claim
 
     def attempt(self, number: int) -> tuple[MemoryStorage, StorageSpec]:
         """The storage and spec of one save attempt: what its units write and its commit
         carry the attempt's token (the step's files on the holders are that attempt's)."""
-        if self.mark is None:
+        if not self.claim:
             return self.store, self.spec
         spec = StorageSpec(self.spec.url, {**self.spec.options,
-                                           "fence": (*self.mark, number)})  # fmt: skip
+                                           "fence": (self.claim, number)})  # fmt: skip
         return open_storage(spec), spec  # type: ignore[return-value]
 
     def add_new_nodes(self, every_s: float = NODES_EVERY_S) -> list[str]:

@@ -132,7 +132,6 @@ class Lease:
         self.clock_skew_s = clock_skew_s
         self.clock = clock
         self.generation = 0
-        self.epoch = 0.0  # when this lease file was first made (clock()); 0: before epochs
         self.committed: dict[int, int | None] = {}  # the record: step -> its COMMIT's generation
         self._background = renew_in_background
         self._identity = identity
@@ -182,7 +181,6 @@ class Lease:
                 "renewed": self.clock(),
                 "expires": expires,
                 "generation": generation,
-                "epoch": self.epoch,
                 "released": released,
                 "committed": {str(s): c for s, c in sorted(self.committed.items())},
             }
@@ -202,7 +200,6 @@ class Lease:
                     "expires at the time shown)"
                 )
             gen = _generation(holder) + 1
-            self.epoch = _epoch(holder) if current is not None else self.clock()
             record = layout.parse_record(holder)  # listed after the read: see the docstring
             self.committed = layout.record_of_markers(self.store) if record is None else record
             sent = self.clock()
@@ -275,13 +272,6 @@ class Lease:
                     f"answered more than {FRESH_S} s after they were sent: too slow to fence a "
                     "removal, so nothing is removed (the folder's holder removes leftovers)",
                 )
-
-    @property
-    def fence_token(self) -> tuple[float, int]:
-        """(epoch, generation): ordered across lease files made anew (deleted by hand: the
-        generations restart at 1) by the epoch, the time the first of them was made; what
-        storage that outlives the lease file fences by (the memory tier's holders)."""
-        return self.epoch, self.generation
 
     def record(self, step: int, generation: int) -> None:
         """Record `step`'s COMMIT (of lease `generation`) in the lease: the commit point.
@@ -423,13 +413,6 @@ def _generation(holder: dict[str, Any]) -> int:
         return int(holder.get("generation", 0))
     except (TypeError, ValueError):
         return 0
-
-
-def _epoch(holder: dict[str, Any]) -> float:
-    try:
-        return float(holder.get("epoch", 0.0))
-    except (TypeError, ValueError):
-        return 0.0
 
 
 def _same_process_table(holder: dict[str, Any]) -> bool:
