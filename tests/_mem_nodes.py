@@ -110,9 +110,11 @@ def three_nodes() -> Iterator[tuple[Nodes, Any, dict[str, Holder]]]:
         cluster.install(old)
 
 
-def fenced(store: Any, claim: int, attempt: int) -> Any:
-    """The same holders, written by save `attempt` of the opening of the folder `claim`."""
-    options = {**store.spec.options, "fence": (claim, attempt)}
+def fenced(store: Any, claim: int | tuple[int, int], attempt: int) -> Any:
+    """The same holders, written by save `attempt` of the opening of the folder `claim`
+    ((order, nonce); a number n stands for (n, n))."""
+    order, nonce = claim if isinstance(claim, tuple) else (claim, claim)
+    options = {**store.spec.options, "fence": (order, nonce, attempt)}
     return open_storage(StorageSpec(store.spec.url, options))
 
 

@@ -41,9 +41,11 @@ def copies(holders: dict[str, Any], path: str) -> dict[str, bytes]:
 
 
 def claim(holders: dict[str, Any], number: int, *nodes: str) -> None:
-    """The opening of the folder `number` configures the holders (all, or those on `nodes`)."""
+    """The opening of the folder (number, number) claims the holders (all, or those on
+    `nodes`) over the claims they serve."""
     for n in nodes or NODES:
-        holders[n].configure(holders[n].budget, holders[n].keep, number)
+        h = holders[n]
+        h.configure(h.budget, h.keep, (number, number), h.claim)
 
 
 def opening(store: Any) -> Identity:
@@ -63,7 +65,7 @@ def test_a_stale_jobs_late_write_is_refused_by_every_holder(tier):
     committed = os.urandom(200_000)
     successor.fence_step(5)
     put(nodes, successor, "B", committed)
-    with pytest.raises(StaleWriteError, match=r"opening of the folder \(1\) is not the one this"):
+    with pytest.raises(StaleWriteError, match=r"opening of the folder \(1, 1\) is not the one"):
         put(nodes, stale, "C", os.urandom(200_000))
     assert set(copies(holders, PATH).values()) == {committed}
     for n in NODES:
@@ -118,25 +120,27 @@ def test_a_newer_attempt_never_drops_a_committed_step(tier):
     assert set(copies(holders, PATH).values()) == {data}
 
 
-def test_an_opening_claims_the_holders_with_a_newer_number_than_they_serve(tier):
-    """A driver that opens the folder claims the run's holders with a number newer than any
-    of them serves; from then on every other claim's change is refused, before the new
-    driver writes anything. A claim is taken once: an opening whose configure lands after a
-    newer one's is refused, and is told why."""
+def test_an_opening_claims_the_holders_with_a_newer_order_than_they_serve(tier):
+    """A driver that opens the folder claims the run's holders with an order newer than any
+    claim they serve, and a nonce of its own; from then on every other claim's change is
+    refused, before the new driver writes anything. A claim is taken over the one the
+    driver saw (compare and set): an opening whose configure lands after a newer one's is
+    refused, and is told why."""
     nodes, store, holders = tier
     claim(holders, 4, "A", "B")  # (C was dead or did not answer then)
     first, second = opening(store), opening(store)
     first.start(list(NODES), 1 << 26, 4)
-    assert first.claim == 5 and all(h.claim == 5 for h in holders.values())
-    with pytest.raises(StaleWriteError, match=r"opening of the folder \(4\) is not the one"):
+    assert first.claim[0] == 5 and all(h.claim == first.claim for h in holders.values())
+    with pytest.raises(StaleWriteError, match=r"opening of the folder \(4, 4\) is not the one"):
         fenced(store, 4, 1).create("step-9/manifest.json", b"{}")
     assert not any(k.startswith("step-9/") for h in holders.values() for k in h.files)
     second.start(list(NODES), 1 << 26, 4)
-    assert second.claim == 6
-    with pytest.raises(StaleWriteError, match="a newer opening of the folder"):
-        claim(holders, 5, "A")  # the first one's configure, landing late
+    assert second.claim[0] == 6
+    a = holders["A"]
+    with pytest.raises(StaleWriteError, match="another opening of the folder"):
+        a.configure(a.budget, a.keep, first.claim, (4, 4))  # the first one's, landing late
     for h in holders.values():  # a driver of an earlier release claims nothing
-        assert h.configure(h.budget, h.keep)["claim"] == 6
+        assert tuple(h.configure(h.budget, h.keep)["claim"]) == second.claim
 
 
 def test_holders_of_an_earlier_release_are_still_written(tier, monkeypatch):
@@ -180,7 +184,7 @@ def test_a_streamed_file_carries_the_token_too(tier):
     writer" (review 23, claim 1)."""
     nodes, store, holders = tier
     claim(holders, 3)
-    with pytest.raises(StaleWriteError, match=r"opening of the folder \(2\) is not the one"):
+    with pytest.raises(StaleWriteError, match=r"opening of the folder \(2, 2\) is not the one"):
         streamed(nodes, fenced(store, 2, 7), "C", "step-6/actors/a.0.g2s7.msgpack", b"s" * BIG)
     assert not any(k.startswith("step-6/") for h in holders.values() for k in h.files)
     rank, first, retry = "step-5/trainer/rank-0.msgpack", fenced(store, 3, 1), fenced(store, 3, 2)
@@ -246,7 +250,7 @@ def test_one_holder_of_an_earlier_release_unfences_only_itself(mixed):
     retry, tmp, meta = fenced(store, 2, 3), "step-6/trainer/.metadata.tmp", "step-6/.metadata"
     fenced(store, 2, 2).fence_step(6)
     retry.fence_step(6)
-    assert all(holders[n].fences[6] == (2, 3) for n in "BC")
+    assert all(holders[n].fences[6] == (2, 2, 3) for n in "BC")
     put(nodes, retry, "A", b"metadata", path=tmp)
     retry.rename(tmp, meta)
     assert [n for n in NODES if meta in holders[n].files] and not copies(holders, tmp)
@@ -273,7 +277,7 @@ def test_a_holder_started_again_while_the_tier_opens_is_claimed(tier):
     identity = opening(store)
     identity.start(list(NODES), 1 << 26, 4)
     assert nodes.holders[name] is not holders["C"]
-    assert nodes.holders[name].claim == identity.claim == 1
+    assert nodes.holders[name].claim == identity.claim and identity.claim[0] == 1
 
 
 def test_the_fences_forgotten_first_are_those_set_longest_ago(tier):
@@ -294,37 +298,46 @@ def test_the_fences_forgotten_first_are_those_set_longest_ago(tier):
         put(nodes, first, "A", b"attempt 9, late", path="step-6/trainer/.metadata")
 
 
-def test_a_stalled_job_with_a_higher_number_than_fresh_holders_is_refused(tier):
+def test_a_stale_job_never_shares_its_successors_claim(tier):
     """Compared by lease generation, a job stalled under a lease file deleted by hand (its
     generations restart at 1), or whose holders all died and were started again, was
     "newer" than the lease's holder: its late write landed, raised the holders' floor and
-    locked the lease's holder out (reviews 24-26; epochs by clock failed on clock skew and
-    on a driver of an earlier release in between). A holder serves one claim: any other
-    claim's change is refused, whatever its number."""
+    locked the lease's holder out (reviews 24-26). Claims by order alone collided: an
+    opening that saw none of the stale job's holders (retired with a folder made again,
+    hung, dead) took the stale job's number, and the two shared the holders (review 27,
+    B1, B2). A claim's nonce is its own: any other claim's change is refused."""
     nodes, store, holders = tier
-    identity = opening(store)  # fresh holders: this opening claims 1
-    identity.start(list(NODES), 1 << 26, 4)
-    assert identity.claim == 1
-    with pytest.raises(StaleWriteError, match=r"opening of the folder \(7\) is not the one"):
-        put(nodes, fenced(store, 7, 3), "B", b"stale" * 100)
-    put(nodes, fenced(store, 1, 1), "B", b"mine" * 100)
+    stale = opening(store)
+    stale.start(list(NODES), 1 << 26, 4)
+    for h in holders.values():  # all died and were started again (or retired)
+        h.claim, h.fences = (0, 0), {}
+    successor = opening(store)
+    successor.start(list(NODES), 1 << 26, 4)
+    assert successor.claim[0] == stale.claim[0] and successor.claim != stale.claim
+    put(nodes, fenced(store, successor.claim, 1), "B", b"mine" * 100)
+    with pytest.raises(StaleWriteError, match="is not the one this holder serves"):
+        put(nodes, fenced(store, stale.claim, 3), "B", b"stale" * 100)
+    with pytest.raises(StaleWriteError):
+        fenced(store, stale.claim, 4).delete_prefix("step-5")
     assert set(copies(holders, PATH).values()) == {b"mine" * 100}
-    assert all(h.claim == 1 for h in holders.values())
 
 
-def test_a_stale_jobs_look_for_new_nodes_leaves_its_successors_holder_alone(tier):
-    """A job that lost the lease, looking for nodes that joined, finds its successor's
-    holder there: it is refused, and the holder and its steps stay (review 25, B2: a look
-    that took the refusal for a holder of a lease file made anew started it again); also a
-    holder that did not answer when this opening began, found later, serving another
-    claim, is left out rather than taken (review 24, B3)."""
+def test_a_look_for_new_nodes_takes_only_what_it_may(tier, monkeypatch):
+    """A job that lost the lease, looking for nodes that joined, found its successor's
+    holder there and started it again (review 25, B2); one holder serving an older opening
+    made the whole look fail, so no node that joined was ever used (review 27, B3). A look
+    takes an unclaimed holder, its own, or one of an older opening; one of a newer opening
+    is left out, the rest of the look goes on."""
     nodes, store, holders = tier
     stale = opening(store)
     stale.start(["A", "B"], 1 << 26, 4)
     successor = opening(store)
-    successor.start(list(NODES), 1 << 26, 4)
+    successor.start(["A", "B", "C"], 1 << 26, 4)
     put(nodes, fenced(store, successor.claim, 1), "A", b"committed" * 100)
-    with pytest.raises(StaleWriteError, match="serves another opening of the folder"):
-        stale.start(["C"], 1 << 26, 4, joined=True)
+    assert stale.start(["C"], 1 << 26, 4, joined=True) == []  # a newer opening's: left out
     assert nodes.holders[holder_name("run", "C")] is holders["C"]
     assert PATH in holders["C"].files and holders["C"].claim == successor.claim
+    later = opening(store)
+    later.start(["A", "B"], 1 << 26, 4)  # C did not answer this opening
+    assert [n for _, n in later.start(["C"], 1 << 26, 4, joined=True)] == ["C"]
+    assert holders["C"].claim == later.claim

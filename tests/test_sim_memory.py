@@ -263,10 +263,10 @@ def test_each_save_attempt_writes_to_the_holders_with_its_own_token(world, monke
     a, b = stale_and_successor(world)
     assert a.coord.tier is not None and b.coord.tier is not None
     claim_a, claim_b = a.coord.tier.claim, b.coord.tier.claim
-    assert claim_b > claim_a and seen and all(c == claim_a for c, _ in seen)
+    assert claim_b > claim_a and seen and all(t[:2] == claim_a for t in seen)
     assert b.run(b.coord.save(2)).committed and b.run(b.coord.save(3)).committed
-    mine = [t for t in seen if t[0] == claim_b]
-    assert len(mine) == 2 and mine[0][1] < mine[1][1]  # one attempt per save, in order
+    mine = [t for t in seen if t[:2] == claim_b]
+    assert len(mine) == 2 and mine[0][2] < mine[1][2]  # one attempt per save, in order
     holders = [h.obj for h in world.memory.actors.values() if h.proc.alive]
     assert all(h.claim == claim_b and h.fences.get(3) == mine[1] for h in holders)
     assert "lease" in a.run(_outcome(a.coord.save(4)))  # refused: it lost the folder

@@ -15,9 +15,11 @@ never holds up a put or a control call, so a holder busy persisting never looks 
 guards the file table; bytes are fetched, checksummed and written outside it.
 
 Fenced: every change carries its writer's token, (claim, save attempt). A driver that opens
-the folder (under its lease) claims the run's holders with a number newer than any they
-serve; a holder then refuses every other claim's change (a job that lost the folder's lease
-shares its successor's holders), and a step's files belong to one save attempt (`fences`): a
+the folder (under its lease) claims the run's holders: a claim is (order, nonce), its order
+newer than any the holders it sees serve, its nonce its own; a holder takes a claim only over
+the one the driver saw there (compare and set), and refuses every other claim's change (a job
+that lost the folder's lease shares its successor's holders), and a step's files belong to
+one save attempt (`fences`): a
 newer attempt's first call drops an older one's files of that step, and an older attempt's
 late write is refused (its late removal leaves the step alone). See docs/tiers.md.
 """
@@ -50,7 +52,9 @@ from .transport import CREATE_ONLY, FENCE, Server
 _STEP_RE = re.compile(r"^step-(\d+)(/|$)")
 MAX_CONCURRENCY = 16  # calls a holder serves at once (puts of many writers, reads, a persist)
 MAX_FENCES = 4096  # steps whose attempt a holder remembers (beyond: the longest ago go first)
-Token = tuple[int, int]  # a writer's (claim, save attempt; 0: any of that claim's)
+Claim = tuple[int, int]  # an opening of the folder: (order, nonce); (0, 0): none
+Token = tuple[int, int, int]  # a writer's (claim order, claim nonce, save attempt; 0: any)
+NO_CLAIM: Claim = (0, 0)
 
 
 class MemoryBudgetError(CheckpointError):
@@ -66,8 +70,13 @@ def token_of(value: Any) -> Token | None:
     """A token as it travels (a tuple, or a list through the stream's header), or None."""
     if value is None:
         return None
-    claim, attempt = value
-    return int(claim), int(attempt)
+    order, nonce, attempt = value
+    return int(order), int(nonce), int(attempt)
+
+
+def claim_of(value: Any) -> Claim:
+    """A claim as it travels (a tuple or a list), or NO_CLAIM."""
+    return NO_CLAIM if not value else (int(value[0]), int(value[1]))
 
 
 def step_of(key: str) -> int | None:
@@ -94,7 +103,7 @@ class Holder:
         self.budget, self.keep = budget, keep
         self.files: dict[str, bytes | bytearray] = {}
         self.pinned: set[int] = set()  # steps waiting to be persisted: never dropped for room
-        self.claim = 0  # the opening of the folder this holder serves (0: none yet)
+        self.claim: Claim = NO_CLAIM  # the opening of the folder this holder serves
         self.fences: dict[int, Token] = {}  # step -> the save attempt its files here are of
         self.persisting = 0  # persists in progress (for info())
         self._lock = threading.Lock()
@@ -123,37 +132,31 @@ class Holder:
                     "incarnation": self.incarnation, "node_id": self.node_id, "used": used,
                     "budget": self.budget, "files": len(self.files),
                     "pinned": sorted(self.pinned), "persisting": self.persisting,
-                    "claim": self.claim}  # fmt: skip
+                    "claim": list(self.claim)}  # fmt: skip
 
     def configure(
-        self, budget: int, keep: int, claim: int = 0, joined: bool = False
+        self, budget: int, keep: int, claim: Any = None, over: Any = None
     ) -> dict[str, Any]:
         """A restarted driver's budget and keep apply to the holders it finds; the pins of a
         driver that died mid-persist are dropped (its persist will never finish). `claim`:
-        the driver's opening of the folder (0: a driver of an earlier release, unfenced);
-        from here on, every other claim's change is refused."""
+        the driver's opening of the folder, taken over `over`, the claim it saw here (None:
+        a driver of an earlier release, unfenced); from here on, every other claim's change
+        is refused."""
         with self._lock:
-            if claim:
-                self._claim(claim, joined)
+            if claim is not None:
+                self._claim(claim_of(claim), claim_of(over))
             self.budget, self.keep = budget, keep
             self.pinned.clear()
         return self.info()
 
-    def _claim(self, claim: int, joined: bool) -> None:
-        """An opening of the folder takes this holder (the caller holds the lock): one newer
-        than the claim it serves, or, for a holder that joined later, an unclaimed one."""
-        where = f"mem holder {self.node_id[:8]} (run {self.run_id})"
-        if joined and self.claim not in (0, claim):
+    def _claim(self, claim: Claim, over: Claim) -> None:
+        """Compare and set (the caller holds the lock): a driver's configure that lands after
+        another opening claimed this holder since the driver looked is refused."""
+        if self.claim not in (claim, over):
             raise StaleWriteError(
-                f"{where} serves another opening of the folder ({self.claim}) than this "
-                f"job's ({claim}): left to it (if this job holds the folder's lease, that "
-                "one lost it; forge_ckpt.memory.release_holders frees it once it is gone)"
-            )
-        if not joined and claim <= self.claim:
-            raise StaleWriteError(
-                f"{where}: a newer opening of the folder ({self.claim}) took it since this "
-                f"job's ({claim}) began: this job lost the folder's lease, or two opened at "
-                "once (open the folder again)"
+                f"mem holder {self.node_id[:8]} (run {self.run_id}): another opening of the "
+                f"folder, {self.claim}, claimed it since this job's, {claim}, looked: this "
+                "job lost the folder's lease, or two opened at once (open the folder again)"
             )
         self.claim = claim
 
@@ -171,22 +174,22 @@ class Holder:
         t = token_of(token)
         if t is None:
             return True
-        if t[0] != self.claim:
+        if t[:2] != self.claim:
             raise StaleWriteError(
-                f"{where}: refused: its writer's opening of the folder ({t[0]}) is not the "
-                f"one this holder serves ({self.claim}), which a job that took the folder "
+                f"{where}: refused: its writer's opening of the folder {t[:2]} is not the "
+                f"one this holder serves, {self.claim}, which a job that took the folder "
                 "over since made (this job lost the folder's lease: it must stop saving; its "
                 "successor's steps are untouched)"
             )
-        cur = self.fences.get(step) if step is not None and t[1] else None
-        if step is None or not t[1] or t == cur:
+        cur = self.fences.get(step) if step is not None and t[2] else None
+        if step is None or not t[2] or t == cur:
             return True
         if cur is not None and t < cur:
             if not write:
                 return False
             raise StaleWriteError(
-                f"{where}: refused: a late write of save attempt {t[1]} of step {step}, "
-                f"which is attempt {cur[1]}'s now (a retry of the save; nothing of it is "
+                f"{where}: refused: a late write of save attempt {t[2]} of step {step}, "
+                f"which is attempt {cur[2]}'s now (a retry of the save; nothing of it is "
                 "touched)"
             )
         if write:

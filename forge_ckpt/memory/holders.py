@@ -15,6 +15,7 @@ import json
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import ray
@@ -22,6 +23,7 @@ import ray
 from ..errors import CheckpointError
 from ..storage import AlreadyExistsError, Storage
 from .cluster import current
+from .holder import NO_CLAIM, Claim, StaleWriteError, claim_of
 from .placement import HolderRef, holder_name
 from .store import forget
 
@@ -71,12 +73,23 @@ def alive_nodes() -> list[str]:
 class Identity:
     """Who a run's holders are: names from `run_id`, owned by (fingerprint, incarnation)."""
 
-    def __init__(self, run_id: str, fingerprint: str, inc: str, namespace: str) -> None:
+    def __init__(
+        self,
+        run_id: str,
+        fingerprint: str,
+        inc: str,
+        namespace: str,
+        confirm: Callable[[], None] | None = None,
+    ) -> None:
+        """`confirm`: the folder lease's fresh check (raises if lost), before taking a holder
+        whose claim's order equals ours (its opening saw other holders than ours)."""
         self.run_id, self.fingerprint, self.incarnation = run_id, fingerprint, inc
         self.namespace = namespace
-        # This opening of the folder: newer than any the holders served when it began (set
-        # by the first start()); every change the holders make carries it (`Holder._admit`).
-        self.claim = 0
+        self.confirm = confirm
+        # This opening of the folder: (order, nonce), the order newer than any claim the
+        # holders served when it began (set by the first start()); every change the holders
+        # make carries it (`Holder._admit`).
+        self.claim: Claim = NO_CLAIM
 
     def start(
         self, nodes: list[str], budget: int, keep: int, joined: bool = False
@@ -85,51 +98,80 @@ class Identity:
         before the first save. `joined`: nodes that joined since the tier opened, looked
         for by a save: each gets JOIN_WAIT_S, and those that have not answered are left
         out (a later look tries them again) instead of failing the rest (review 10, D)."""
-        cluster = current()
-        if not cluster.ready():
+        if not current().ready():
             raise CheckpointError("the memory tier needs Ray: call ray.init() first")
         wait_s = JOIN_WAIT_S if joined else START_TIMEOUT_S
-        refs, served = [], 0  # the newest claim a holder serves
-        for node in nodes:
-            name = holder_name(self.run_id, node)
-            try:  # (a holder already there answers within a call's bound, or is hung)
-                served = max(served, self._retire_foreign(name, min(wait_s, CALL_S)))
-            except NotReady:  # hung (its node not yet declared dead): as if the node were
-                log.warning("memory tier: the holder on node %s does not answer; going on "
-                            "without it (a later save looks again)", node[:8])  # fmt: skip
-                continue  # lost (review 10, D2)
-            try:
-                cluster.actor(name, self.namespace)
-            except ValueError:
-                self._create(name, node, budget, keep)
-            refs.append((name, node))
+        found = self._look(nodes, budget, keep, wait_s)
         if not joined:
-            self.claim = served + 1
+            order = max([c[0] for _, _, c in found], default=0) + 1
+            self.claim = (order, uuid.uuid4().int >> 66)
         ready = []
-        for name, node in refs:
+        for name, node, seen in found:
+            if joined and not self._may_take(node, seen):
+                continue
             try:
-                self._configure(name, node, (budget, keep), wait_s, joined)
+                self._configure(name, node, (budget, keep), wait_s, seen)
             except ray.exceptions.GetTimeoutError:
                 if not joined:
                     raise self._no_start(node) from None
                 log.warning("memory tier: the holder on new node %s has not answered within "
                             "%.0fs; a later save looks again", node[:8], wait_s)  # fmt: skip
                 continue
+            except StaleWriteError as e:  # claimed since we looked
+                if not joined:
+                    raise
+                log.warning("memory tier: the holder on new node %s is left out: %s",
+                            node[:8], e)  # fmt: skip
+                continue
             ready.append((name, node))
         return ready
 
+    def _look(
+        self, nodes: list[str], budget: int, keep: int, wait_s: float
+    ) -> list[tuple[str, str, Claim]]:
+        """Each node's holder (started if none) and the claim it serves; a hung one is left
+        out, as if its node were lost (review 10, D2)."""
+        cluster, found = current(), []
+        for node in nodes:
+            name = holder_name(self.run_id, node)
+            try:  # (a holder already there answers within a call's bound, or is hung)
+                seen = self._retire_foreign(name, min(wait_s, CALL_S))
+            except NotReady:
+                log.warning("memory tier: the holder on node %s does not answer; going on "
+                            "without it (a later save looks again)", node[:8])  # fmt: skip
+                continue
+            try:
+                cluster.actor(name, self.namespace)
+            except ValueError:
+                self._create(name, node, budget, keep)
+            found.append((name, node, seen))
+        return found
+
+    def _may_take(self, node: str, seen: Claim) -> bool:
+        """Whether a holder found by a later look may be claimed: unclaimed, ours, or of an
+        older opening; one of an equally old opening (it saw other holders than ours) only
+        while our lease still holds; one of a newer opening never (this job may be stale)."""
+        if seen in (NO_CLAIM, self.claim) or seen[0] < self.claim[0]:
+            return True
+        if seen[0] == self.claim[0] and self.confirm is not None:
+            self.confirm()  # CheckpointLockedError if this job lost the lease
+            return True
+        log.warning("memory tier: the holder on new node %s serves a newer opening of the "
+                    "folder (%s) than this job's (%s): left out", node[:8], seen, self.claim)  # fmt: skip
+        return False
+
     def _configure(
-        self, name: str, node: str, room: tuple[int, int], wait_s: float, joined: bool
+        self, name: str, node: str, room: tuple[int, int], wait_s: float, seen: Claim
     ) -> None:
-        """Our budget, keep and claim on the holder (`room`: budget and keep); one that died
-        since we looked is started anew, and configured too. StaleWriteError if another
-        opening of the folder claimed it (`Holder._claim`)."""
+        """Our budget, keep and claim on the holder (`room`: budget and keep), over the claim
+        `seen` there; one that died since we looked is started anew, and configured too.
+        StaleWriteError if another opening claimed it since (`Holder._claim`)."""
         cluster = current()
         for fresh in (False, True):
             try:
                 h = cluster.actor(name, self.namespace)
                 try:
-                    cluster.get(h.configure.remote(*room, self.claim, joined), timeout=wait_s)
+                    cluster.get(h.configure.remote(*room, self.claim, seen), timeout=wait_s)
                 except TypeError:  # a holder of an earlier release: not fenced
                     cluster.get(h.configure.remote(*room), timeout=wait_s)
                 return
@@ -140,6 +182,7 @@ class Identity:
                 self._wait_gone(name)
                 forget(self.namespace, name)
                 self._create(name, node, *room)
+                seen = NO_CLAIM
 
     @staticmethod
     def _no_start(node: str) -> CheckpointError:
@@ -150,29 +193,28 @@ class Identity:
             "memory tier (memory_every=0)"
         )
 
-    def _retire_foreign(self, name: str, wait_s: float = CALL_S) -> int:
+    def _retire_foreign(self, name: str, wait_s: float = CALL_S) -> Claim:
         """Kill a holder of this folder left by another run: another fingerprint, or the run
         of an earlier incarnation of the folder (deleted and made again since). NotReady if
-        the holder there does not answer within `wait_s`. The claim a kept holder serves
-        (0: none)."""
+        the holder there does not answer within `wait_s`. The claim a kept holder serves."""
         cluster = current()
         try:
             old = cluster.actor(name, self.namespace)
             info = cluster.get(old.info.remote(), timeout=wait_s)
         except (ValueError, ray.exceptions.RayActorError):
-            return 0
+            return NO_CLAIM
         except ray.exceptions.GetTimeoutError:
             raise NotReady(name) from None
         theirs = (info["fingerprint"], info.get("incarnation", ""))
         if theirs == (self.fingerprint, self.incarnation):
-            return int(info.get("claim", 0))
+            return claim_of(info.get("claim"))
         log.warning("retiring memory holder %s of another run (fingerprint %r, folder "
                     "incarnation %r; ours %r, %r)", name, *theirs, self.fingerprint,
                     self.incarnation)  # fmt: skip
         cluster.kill(old)
         forget(self.namespace, name)
         self._wait_gone(name)
-        return 0
+        return NO_CLAIM
 
     def _wait_gone(self, name: str) -> None:
         cluster = current()

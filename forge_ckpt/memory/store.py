@@ -101,7 +101,7 @@ class MemoryStorage(Storage):
         self.holders: list[HolderRef] = [(str(n), str(i)) for n, i in spec.options["holders"]]
         self.copies = int(spec.options.get("copies", 2))
         self.namespace = str(spec.options.get("namespace", "forge_ckpt"))
-        # (claim, save attempt): every change a holder is asked for carries it
+        # (claim order, claim nonce, save attempt): every change a holder is asked for carries it
         # (`Holder._admit`); None: unfenced (a tool that reads)
         self.token = token_of(spec.options.get("fence"))
 
@@ -228,7 +228,7 @@ class MemoryStorage(Storage):
     def fence_step(self, step: int) -> None:
         """This save attempt prepares `step` on every live holder: an older attempt's files
         of it go, and its late writes are refused (`Holder.fence`)."""
-        if self.token is not None and self.token[1]:
+        if self.token is not None and self.token[2]:
             self.on_all("fence", step, token=self.token)
 
     def put_copies(
@@ -522,7 +522,7 @@ def _earlier_release() -> None:
     if "fence" not in _warned:
         _warned.add("fence")
         log.warning("memory holders of an earlier release: their changes are not fenced by "
-                    "the lease generation (restart the run's holders to fence them)")  # fmt: skip
+                    "the opening of the folder (restart the run's holders to fence them)")  # fmt: skip
 
 
 class _ViaRay:

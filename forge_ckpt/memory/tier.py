@@ -19,6 +19,7 @@ from ..errors import CheckpointCorruptError, CheckpointError
 from ..steps import branch, commit, layout
 from ..storage import FileRecord, Storage, StorageSpec, open_storage
 from .cluster import current
+from .holder import NO_CLAIM
 from .holders import Identity, alive_nodes, incarnation, run_id_of
 from .placement import HolderRef
 from .store import MemoryStorage
@@ -32,15 +33,17 @@ def open_tier(
     on_error: Callable[[], None],
     durable: Storage | None = None,
     to_thread: Callable[..., Awaitable[Any]] = asyncio.to_thread,
+    confirm: Callable[[], None] | None = None,
 ) -> MemoryTier | None:
     """The memory tier when configured (`memory_every`); `on_error` (the lease's release)
     runs if it cannot start, so a failed coordinator never keeps the folder. `durable`: the
     folder (under the caller's lease), where the folder's incarnation id is kept;
-    `to_thread`: where blocking calls run (the coordinator's Runtime)."""
+    `to_thread`: where blocking calls run (the coordinator's Runtime); `confirm`: the
+    folder lease's fresh check (`Identity`)."""
     if not config.memory_every:
         return None
     try:
-        return MemoryTier(config, durable, to_thread)
+        return MemoryTier(config, durable, to_thread, confirm)
     except BaseException:
         on_error()
         raise
@@ -52,6 +55,7 @@ class MemoryTier:
         config: Any,
         durable: Storage | None = None,
         to_thread: Callable[..., Awaitable[Any]] = asyncio.to_thread,
+        confirm: Callable[[], None] | None = None,
     ) -> None:
         self.config = config
         self.to_thread = to_thread  # the holders' calls (memory steps, pins)
@@ -63,7 +67,7 @@ class MemoryTier:
         self.namespace = str(config.memory_namespace)
         durable = durable if durable is not None else open_storage(config.storage)
         self.identity = Identity(self.run_id, self.fingerprint, incarnation(durable),
-                                 self.namespace)  # fmt: skip
+                                 self.namespace, confirm)  # fmt: skip
         self._use(self._start_holders(alive_nodes()))
         self.saves = 0
         self._recent: list[int] | None = None  # memory steps for retention (None: list them)
@@ -94,24 +98,24 @@ class MemoryTier:
         digest = self.config.storage.options.get("digest")
         if digest is not None:
             options["digest"] = digest
-        if self.claim:
-            options["fence"] = (self.claim, 0)
+        if self.claim != NO_CLAIM:
+            options["fence"] = (*self.claim, 0)
         self.spec = StorageSpec(f"mem://{self.run_id}", options)
         self.store: MemoryStorage = open_storage(self.spec)  # type: ignore[assignment]
         self.holders: list[HolderRef] = holders
 
     @property
-    def claim(self) -> int:
+    def claim(self) -> tuple[int, int]:
         """This opening of the folder: the holders refuse every other one's changes."""
         return self.identity.claim
 
     def attempt(self, number: int) -> tuple[MemoryStorage, StorageSpec]:
         """The storage and spec of one save attempt: what its units write and its commit
         carry the attempt's token (the step's files on the holders are that attempt's)."""
-        if not self.claim:
+        if self.claim == NO_CLAIM:
             return self.store, self.spec
         spec = StorageSpec(self.spec.url, {**self.spec.options,
-                                           "fence": (self.claim, number)})  # fmt: skip
+                                           "fence": (*self.claim, number)})  # fmt: skip
         return open_storage(spec), spec  # type: ignore[return-value]
 
     def add_new_nodes(self, every_s: float = NODES_EVERY_S) -> list[str]:

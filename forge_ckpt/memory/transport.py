@@ -207,7 +207,7 @@ class Server:
 
 
 def record_dict(
-    record: FileRecord, exclusive: bool, fence: tuple[int, int] | None = None
+    record: FileRecord, exclusive: bool, fence: tuple[int, int, int] | None = None
 ) -> dict[str, Any]:
     """What a holder is sent with a file's bytes: their record, whether to refuse them where
     another file of that name is kept, and the writer's token (`Holder.accept`)."""
