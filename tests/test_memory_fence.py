@@ -20,6 +20,7 @@ import pytest
 import ray
 from _mem_nodes import NODES, PATH, fenced, put, three_nodes
 
+from forge_ckpt.errors import CheckpointLockedError
 from forge_ckpt.memory.holder import MAX_FENCES, Holder, StaleWriteError
 from forge_ckpt.memory.holders import Identity
 from forge_ckpt.memory.placement import holder_name
@@ -322,22 +323,50 @@ def test_a_stale_job_never_shares_its_successors_claim(tier):
     assert set(copies(holders, PATH).values()) == {b"mine" * 100}
 
 
-def test_a_look_for_new_nodes_takes_only_what_it_may(tier, monkeypatch):
-    """A job that lost the lease, looking for nodes that joined, found its successor's
-    holder there and started it again (review 25, B2); one holder serving an older opening
-    made the whole look fail, so no node that joined was ever used (review 27, B3). A look
-    takes an unclaimed holder, its own, or one of an older opening; one of a newer opening
-    is left out, the rest of the look goes on."""
+def test_a_look_for_new_nodes_takes_a_holder_only_under_a_fresh_lease(tier):
+    """A look for nodes that joined took or left holders by their claims' orders, which say
+    nothing about the lease: a stale job's look took its successor's holders (lower order)
+    or killed one (of a folder made again), and the successor never got back a holder of a
+    higher order (reviews 25, 28); one holder it could not take stopped the whole look
+    (review 27, B3). A look takes any holder, and retires a foreign one, only after the
+    folder's lease is checked fresh; a stale job's check fails and it takes nothing."""
     nodes, store, holders = tier
-    stale = opening(store)
-    stale.start(["A", "B"], 1 << 26, 4)
-    successor = opening(store)
-    successor.start(["A", "B", "C"], 1 << 26, 4)
-    put(nodes, fenced(store, successor.claim, 1), "A", b"committed" * 100)
-    assert stale.start(["C"], 1 << 26, 4, joined=True) == []  # a newer opening's: left out
+
+    def lost() -> None:
+        raise CheckpointLockedError("lost the lease (test)")
+
+    stale = Identity("run", "fp", "", store.namespace, confirm=lost)
+    stale.start(["A"], 1 << 26, 4)
+    stale.claim = (9, 9)  # its order above its successor's: it saw other holders
+    successor = Identity("run", "fp", "", store.namespace, confirm=lambda: None)
+    successor.start(["B", "C"], 1 << 26, 4)
+    put(nodes, fenced(store, successor.claim, 1), "A", b"committed" * 100)  # on B and C
+    with pytest.raises(CheckpointLockedError):
+        stale.start(["B", "C"], 1 << 26, 4, joined=True)
+    assert holders["B"].claim == holders["C"].claim == successor.claim
+    assert PATH in holders["B"].files
+    assert [n for _, n in successor.start(["A"], 1 << 26, 4, joined=True)] == ["A"]
+    assert holders["A"].claim == successor.claim
+    foreign = Identity("run", "fp", "new incarnation", store.namespace, confirm=lost)
+    foreign.claim = (1, 1)
+    with pytest.raises(CheckpointLockedError):  # a stale job of the folder made before
+        foreign.start(["C"], 1 << 26, 4, joined=True)
     assert nodes.holders[holder_name("run", "C")] is holders["C"]
-    assert PATH in holders["C"].files and holders["C"].claim == successor.claim
-    later = opening(store)
-    later.start(["A", "B"], 1 << 26, 4)  # C did not answer this opening
-    assert [n for _, n in later.start(["C"], 1 << 26, 4, joined=True)] == ["C"]
-    assert holders["C"].claim == later.claim
+
+
+def test_another_openings_attempt_of_a_step_is_no_newer_than_ours(tier):
+    """Attempts compared with the claim's nonce in the tuple: a step fenced by another
+    opening's attempt 3 refused every attempt of the opening that took the holder over
+    (review 28, B2). Another opening's files of the step go as an older attempt's."""
+    nodes, store, holders = tier
+    claim(holders, 1)
+    for h in holders.values():
+        h.fences[7] = (1, 1, 3)  # the previous opening's attempt 3 of step 7
+    put(nodes, fenced(store, 1, 3), "A", b"theirs", path="step-7/trainer/x")
+    for h in holders.values():
+        h.configure(h.budget, h.keep, (1, 0), h.claim)  # taken over: the nonce is lower
+    mine = fenced(store, (1, 0), 1)
+    mine.fence_step(7)
+    assert not copies(holders, "step-7/trainer/x")
+    put(nodes, mine, "B", b"ours", path="step-7/trainer/x")
+    assert set(copies(holders, "step-7/trainer/x").values()) == {b"ours"}

@@ -182,6 +182,8 @@ class Holder:
                 "successor's steps are untouched)"
             )
         cur = self.fences.get(step) if step is not None and t[2] else None
+        if cur is not None and cur[:2] != t[:2]:  # another opening's attempt: no order
+            cur = None  # between the two (review 28); its files go as an older one's
         if step is None or not t[2] or t == cur:
             return True
         if cur is not None and t < cur:

@@ -81,8 +81,8 @@ class Identity:
         namespace: str,
         confirm: Callable[[], None] | None = None,
     ) -> None:
-        """`confirm`: the folder lease's fresh check (raises if lost), before taking a holder
-        whose claim's order equals ours (its opening saw other holders than ours)."""
+        """`confirm`: the folder lease's fresh check (raises if lost), before a later look
+        takes or retires a holder."""
         self.run_id, self.fingerprint, self.incarnation = run_id, fingerprint, inc
         self.namespace = namespace
         self.confirm = confirm
@@ -101,14 +101,14 @@ class Identity:
         if not current().ready():
             raise CheckpointError("the memory tier needs Ray: call ray.init() first")
         wait_s = JOIN_WAIT_S if joined else START_TIMEOUT_S
-        found = self._look(nodes, budget, keep, wait_s)
-        if not joined:
+        found = self._look(nodes, (budget, keep), wait_s, joined)
+        if not joined:  # (the lease was just taken: fresh)
             order = max([c[0] for _, _, c in found], default=0) + 1
             self.claim = (order, uuid.uuid4().int >> 66)
         ready = []
         for name, node, seen in found:
-            if joined and not self._may_take(node, seen):
-                continue
+            if joined:
+                self._confirm_take(seen)
             try:
                 self._configure(name, node, (budget, keep), wait_s, seen)
             except ray.exceptions.GetTimeoutError:
@@ -127,15 +127,15 @@ class Identity:
         return ready
 
     def _look(
-        self, nodes: list[str], budget: int, keep: int, wait_s: float
+        self, nodes: list[str], room: tuple[int, int], wait_s: float, joined: bool
     ) -> list[tuple[str, str, Claim]]:
-        """Each node's holder (started if none) and the claim it serves; a hung one is left
-        out, as if its node were lost (review 10, D2)."""
+        """Each node's holder (started if none; `room`: budget and keep) and the claim it
+        serves; a hung one is left out, as if its node were lost (review 10, D2)."""
         cluster, found = current(), []
         for node in nodes:
             name = holder_name(self.run_id, node)
             try:  # (a holder already there answers within a call's bound, or is hung)
-                seen = self._retire_foreign(name, min(wait_s, CALL_S))
+                seen = self._retire_foreign(name, min(wait_s, CALL_S), joined)
             except NotReady:
                 log.warning("memory tier: the holder on node %s does not answer; going on "
                             "without it (a later save looks again)", node[:8])  # fmt: skip
@@ -143,22 +143,17 @@ class Identity:
             try:
                 cluster.actor(name, self.namespace)
             except ValueError:
-                self._create(name, node, budget, keep)
+                self._create(name, node, *room)
             found.append((name, node, seen))
         return found
 
-    def _may_take(self, node: str, seen: Claim) -> bool:
-        """Whether a holder found by a later look may be claimed: unclaimed, ours, or of an
-        older opening; one of an equally old opening (it saw other holders than ours) only
-        while our lease still holds; one of a newer opening never (this job may be stale)."""
-        if seen in (NO_CLAIM, self.claim) or seen[0] < self.claim[0]:
-            return True
-        if seen[0] == self.claim[0] and self.confirm is not None:
-            self.confirm()  # CheckpointLockedError if this job lost the lease
-            return True
-        log.warning("memory tier: the holder on new node %s serves a newer opening of the "
-                    "folder (%s) than this job's (%s): left out", node[:8], seen, self.claim)  # fmt: skip
-        return False
+    def _confirm_take(self, seen: Claim) -> None:
+        """A holder found by a later look is claimed over `seen` (unless ours already) only
+        once the folder's lease is checked fresh: CheckpointLockedError if this job lost it,
+        so a stale job's look takes nothing. The claims' orders say nothing about the lease
+        (review 28)."""
+        if seen != self.claim and self.confirm is not None:
+            self.confirm()
 
     def _configure(
         self, name: str, node: str, room: tuple[int, int], wait_s: float, seen: Claim
@@ -193,7 +188,7 @@ class Identity:
             "memory tier (memory_every=0)"
         )
 
-    def _retire_foreign(self, name: str, wait_s: float = CALL_S) -> Claim:
+    def _retire_foreign(self, name: str, wait_s: float = CALL_S, joined: bool = False) -> Claim:
         """Kill a holder of this folder left by another run: another fingerprint, or the run
         of an earlier incarnation of the folder (deleted and made again since). NotReady if
         the holder there does not answer within `wait_s`. The claim a kept holder serves."""
@@ -208,6 +203,8 @@ class Identity:
         theirs = (info["fingerprint"], info.get("incarnation", ""))
         if theirs == (self.fingerprint, self.incarnation):
             return claim_of(info.get("claim"))
+        if joined and self.confirm is not None:  # a stale job's look kills nothing
+            self.confirm()  # (review 28: the successor's holder, of a folder made again)
         log.warning("retiring memory holder %s of another run (fingerprint %r, folder "
                     "incarnation %r; ours %r, %r)", name, *theirs, self.fingerprint,
                     self.incarnation)  # fmt: skip
