@@ -335,9 +335,10 @@ def test_a_look_for_new_nodes_takes_a_holder_only_under_a_fresh_lease(tier):
     def lost() -> None:
         raise CheckpointLockedError("lost the lease (test)")
 
-    stale = Identity("run", "fp", "", store.namespace, confirm=lost)
+    stale = Identity("run", "fp", "", store.namespace)
     stale.start(["A"], 1 << 26, 4)
-    stale.claim = (9, 9)  # its order above its successor's: it saw other holders
+    stale.claim, stale.confirm = (9, 9), lost  # it lost the lease; its order is above its
+    # successor's (it saw other holders)
     successor = Identity("run", "fp", "", store.namespace, confirm=lambda: None)
     successor.start(["B", "C"], 1 << 26, 4)
     put(nodes, fenced(store, successor.claim, 1), "A", b"committed" * 100)  # on B and C
@@ -370,3 +371,20 @@ def test_another_openings_attempt_of_a_step_is_no_newer_than_ours(tier):
     assert not copies(holders, "step-7/trainer/x")
     put(nodes, mine, "B", b"ours", path="step-7/trainer/x")
     assert set(copies(holders, "step-7/trainer/x").values()) == {b"ours"}
+
+
+def test_a_holder_taken_by_a_later_look_keeps_nothing_of_another_claim(tier):
+    """A holder that did not answer the successor's open kept serving the stale job, whose
+    late COMMIT then landed there (its other holders refused it); the successor's later
+    look took the holder with the stale step on it, and a reader on that node loaded it
+    (review 29, B2). A look that takes a holder from another claim drops its files."""
+    nodes, store, holders = tier
+    stale = opening(store)
+    stale.start(list(NODES), 1 << 26, 4)
+    successor = Identity("run", "fp", "", store.namespace, confirm=lambda: None)
+    successor.start(["A", "B"], 1 << 26, 4)  # C did not answer
+    with pytest.raises(StaleWriteError):  # refused by A and B, lands on C
+        fenced(store, stale.claim, 2).create("step-2/COMMIT", b"stale")
+    assert [h.files.get("step-2/COMMIT") for h in holders.values()] == [None, None, b"stale"]
+    assert [n for _, n in successor.start(["C"], 1 << 26, 4, joined=True)] == ["C"]
+    assert not holders["C"].files and holders["C"].claim == successor.claim

@@ -5,6 +5,7 @@ faults: real coordinators, the real memory tier and `Holder`s behind the simulat
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import logging
 import random
@@ -19,6 +20,7 @@ from forge_ckpt import CheckpointConfig, CheckpointCoordinator  # noqa: E402
 from forge_ckpt.coordination.runtime import Runtime  # noqa: E402
 from forge_ckpt.errors import CheckpointError  # noqa: E402
 from forge_ckpt.memory import cluster as seam  # noqa: E402
+from forge_ckpt.memory import tier as tier_module  # noqa: E402
 from forge_ckpt.memory.holder import StaleWriteError  # noqa: E402
 from forge_ckpt.sim.actors import Component, SimActor  # noqa: E402
 from forge_ckpt.sim.loop import SimQueueLock, SimThread, run_io  # noqa: E402
@@ -326,3 +328,34 @@ def test_a_job_stalled_under_a_deleted_lease_file_stays_fenced_off(world):
     for step in (5, 6):
         assert c.run(c.coord.save(step)).committed
     c.coord.close()
+
+
+def test_an_opening_that_stalls_past_its_lease_takes_none_of_its_successors_holders(
+    world, monkeypatch
+):
+    """Job A took the lease and stalled while its memory tier opened, past the TTL; B took
+    the folder over and claimed the holders; A's opening then claimed them over B's claim,
+    and every save of B, which holds the lease, was refused (review 29, B1). An opening
+    claims a holder only after a fresh check of the lease: A's open fails, B saves."""
+    a, b = Job(world, "jobA", opened=False), Job(world, "jobB", opened=False)
+    real, stalled = tier_module.incarnation, []
+
+    def stall(durable: Any) -> Any:
+        inc = real(durable)
+        if not stalled:  # A: lease taken, folder cleaned; it stalls past its TTL here
+            stalled.append(True)
+            world.clock.now += TTL * 1.5
+            ctx = contextvars.copy_context()
+            ctx.run(PROC.set, b.proc)
+            with contextlib.suppress(StopIteration):  # B opens (inline holder calls)
+                ctx.run(b._open().send, None)
+        return inc
+
+    monkeypatch.setattr(tier_module, "incarnation", stall)
+    with pytest.raises(CheckpointError, match="lease"):
+        a.run(a._open())
+    assert b.coord._lease.held and b.coord.tier is not None
+    assert b.run(b.coord.save(2)).committed
+    holders = [h.obj for h in world.memory.actors.values() if h.proc.alive]
+    assert all(h.claim == b.coord.tier.claim for h in holders)
+    b.coord.close()

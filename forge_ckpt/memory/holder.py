@@ -135,16 +135,21 @@ class Holder:
                     "claim": list(self.claim)}  # fmt: skip
 
     def configure(
-        self, budget: int, keep: int, claim: Any = None, over: Any = None
+        self, budget: int, keep: int, claim: Any = None, over: Any = None, wipe: bool = False
     ) -> dict[str, Any]:
         """A restarted driver's budget and keep apply to the holders it finds; the pins of a
         driver that died mid-persist are dropped (its persist will never finish). `claim`:
         the driver's opening of the folder, taken over `over`, the claim it saw here (None:
         a driver of an earlier release, unfenced); from here on, every other claim's change
-        is refused."""
+        is refused. `wipe`: taken from another claim by a later look, the files go (they may
+        hold a stale job's late COMMIT, landed after the opening's look missed this holder:
+        review 29)."""
         with self._lock:
             if claim is not None:
                 self._claim(claim_of(claim), claim_of(over))
+            if wipe and claim_of(over) not in (NO_CLAIM, claim_of(claim)):
+                self.files.clear()
+                self.fences.clear()
             self.budget, self.keep = budget, keep
             self.pinned.clear()
         return self.info()

@@ -101,16 +101,15 @@ class Identity:
         if not current().ready():
             raise CheckpointError("the memory tier needs Ray: call ray.init() first")
         wait_s = JOIN_WAIT_S if joined else START_TIMEOUT_S
-        found = self._look(nodes, (budget, keep), wait_s, joined)
-        if not joined:  # (the lease was just taken: fresh)
+        found = self._look(nodes, (budget, keep), wait_s)
+        if not joined:
             order = max([c[0] for _, _, c in found], default=0) + 1
             self.claim = (order, uuid.uuid4().int >> 66)
         ready = []
         for name, node, seen in found:
-            if joined:
-                self._confirm_take(seen)
+            self._confirm_take(seen)  # (an opening can stall past the lease: review 29)
             try:
-                self._configure(name, node, (budget, keep), wait_s, seen)
+                self._configure(name, node, (budget, keep), wait_s, (seen, joined))
             except ray.exceptions.GetTimeoutError:
                 if not joined:
                     raise self._no_start(node) from None
@@ -127,7 +126,7 @@ class Identity:
         return ready
 
     def _look(
-        self, nodes: list[str], room: tuple[int, int], wait_s: float, joined: bool
+        self, nodes: list[str], room: tuple[int, int], wait_s: float
     ) -> list[tuple[str, str, Claim]]:
         """Each node's holder (started if none; `room`: budget and keep) and the claim it
         serves; a hung one is left out, as if its node were lost (review 10, D2)."""
@@ -135,7 +134,7 @@ class Identity:
         for node in nodes:
             name = holder_name(self.run_id, node)
             try:  # (a holder already there answers within a call's bound, or is hung)
-                seen = self._retire_foreign(name, min(wait_s, CALL_S), joined)
+                seen = self._retire_foreign(name, min(wait_s, CALL_S))
             except NotReady:
                 log.warning("memory tier: the holder on node %s does not answer; going on "
                             "without it (a later save looks again)", node[:8])  # fmt: skip
@@ -148,25 +147,27 @@ class Identity:
         return found
 
     def _confirm_take(self, seen: Claim) -> None:
-        """A holder found by a later look is claimed over `seen` (unless ours already) only
-        once the folder's lease is checked fresh: CheckpointLockedError if this job lost it,
-        so a stale job's look takes nothing. The claims' orders say nothing about the lease
-        (review 28)."""
+        """A holder is claimed over `seen` (unless ours already) only once the folder's
+        lease is checked fresh: CheckpointLockedError if this job lost it, so a stale job's
+        look, or an opening that stalled past its lease, takes nothing. The claims' orders
+        say nothing about the lease (reviews 28, 29)."""
         if seen != self.claim and self.confirm is not None:
             self.confirm()
 
     def _configure(
-        self, name: str, node: str, room: tuple[int, int], wait_s: float, seen: Claim
+        self, name: str, node: str, room: tuple[int, int], wait_s: float, look: tuple[Claim, bool]
     ) -> None:
         """Our budget, keep and claim on the holder (`room`: budget and keep), over the claim
-        `seen` there; one that died since we looked is started anew, and configured too.
-        StaleWriteError if another opening claimed it since (`Holder._claim`)."""
-        cluster = current()
+        it served when we looked (`look`: that claim, and whether a later look found it:
+        then its files of another claim go); one that died since we looked is started anew,
+        and configured too. StaleWriteError if another opening claimed it since."""
+        cluster, (seen, joined) = current(), look
         for fresh in (False, True):
             try:
                 h = cluster.actor(name, self.namespace)
                 try:
-                    cluster.get(h.configure.remote(*room, self.claim, seen), timeout=wait_s)
+                    cluster.get(h.configure.remote(*room, self.claim, seen, joined),
+                                timeout=wait_s)  # fmt: skip
                 except TypeError:  # a holder of an earlier release: not fenced
                     cluster.get(h.configure.remote(*room), timeout=wait_s)
                 return
@@ -188,7 +189,7 @@ class Identity:
             "memory tier (memory_every=0)"
         )
 
-    def _retire_foreign(self, name: str, wait_s: float = CALL_S, joined: bool = False) -> Claim:
+    def _retire_foreign(self, name: str, wait_s: float = CALL_S) -> Claim:
         """Kill a holder of this folder left by another run: another fingerprint, or the run
         of an earlier incarnation of the folder (deleted and made again since). NotReady if
         the holder there does not answer within `wait_s`. The claim a kept holder serves."""
@@ -203,8 +204,8 @@ class Identity:
         theirs = (info["fingerprint"], info.get("incarnation", ""))
         if theirs == (self.fingerprint, self.incarnation):
             return claim_of(info.get("claim"))
-        if joined and self.confirm is not None:  # a stale job's look kills nothing
-            self.confirm()  # (review 28: the successor's holder, of a folder made again)
+        if self.confirm is not None:  # a stale job's look kills nothing (review 28: the
+            self.confirm()  # successor's holder, of a folder made again)
         log.warning("retiring memory holder %s of another run (fingerprint %r, folder "
                     "incarnation %r; ours %r, %r)", name, *theirs, self.fingerprint,
                     self.incarnation)  # fmt: skip
