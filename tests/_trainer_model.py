@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import random
 import threading
-import time
 from typing import Any
 
 import numpy as np
@@ -177,17 +176,24 @@ class TrainerRank(TrainerMixin):
     def release_background_writes(self) -> None:
         self._gate.set()
 
-    def slow_snapshot_copies(self, seconds: float) -> None:
-        """Make every deferred snapshot copy take `seconds` longer (before it reads anything),
-        so a training step certainly arrives while the copy still runs."""
-        buffers = self.checkpointer._snapshot
-        original = type(buffers).copy
+    def hold_snapshot_copies(self) -> None:
+        """Hold every deferred snapshot copy (before it reads anything) until a training
+        step waits for it: the step certainly arrives while the copy runs, however busy the
+        machine (a copy slowed by a fixed second could end before a step that came late)."""
+        checkpointer = self.checkpointer
+        buffers, waiting = checkpointer._snapshot, threading.Event()
+        original, real_wait = type(buffers).copy, checkpointer.wait_for_snapshot
 
-        def slow(state: Any) -> Any:
-            time.sleep(seconds)
+        def wait_for_snapshot() -> float:
+            waiting.set()  # (the copy is held: it cannot have ended yet)
+            return real_wait()
+
+        def held(state: Any) -> Any:
+            assert waiting.wait(300), "no training step came to wait for the copy"
             return original(buffers, state)
 
-        buffers.copy = slow
+        checkpointer.wait_for_snapshot = wait_for_snapshot  # type: ignore[method-assign]
+        buffers.copy = held
 
     def stall_s(self) -> float:
         """How long this rank's optimizer steps waited for a deferred snapshot copy."""
