@@ -388,3 +388,59 @@ def test_a_holder_taken_by_a_later_look_keeps_nothing_of_another_claim(tier):
     assert [h.files.get("step-2/COMMIT") for h in holders.values()] == [None, None, b"stale"]
     assert [n for _, n in successor.start(["C"], 1 << 26, 4, joined=True)] == ["C"]
     assert not holders["C"].files and holders["C"].claim == successor.claim
+
+
+def test_a_second_look_of_the_same_opening_keeps_its_committed_pinned_step(tier):
+    """Two looks of one opening read a holder's claim while it served the stale job; the
+    first took it, a save committed and pinned a step whose only copy is there, then the
+    second look's configure wiped it and dropped the pin (review 30, claim 1). A holder that
+    serves our claim already is neither wiped nor unpinned."""
+    nodes, store, holders = tier
+    opening(store).start(list(NODES), 1 << 26, 4)  # the job before claims A, B, C
+    succ = Identity("run", "fp", "", store.namespace, confirm=lambda: None)
+    succ.start(["A", "B"], 1 << 26, 4)  # C did not answer the opening
+    first_look = succ._look(["C"], (1 << 26, 4), 5.0)  # a look reads C's (stale) claim
+    assert [n for _, n in succ.start(["C"], 1 << 26, 4, joined=True)] == ["C"]  # another
+    mine = fenced(store, succ.claim, 1)
+    mine.fence_step(5)
+    mine.create("step-5/COMMIT", b"{}")
+    mine.fenced("pin", 5, True)
+    name, node, seen = first_look[0]
+    succ._configure(name, node, (1 << 26, 4), 5.0, (seen, True))  # the first look lands
+    assert "step-5/COMMIT" in holders["C"].files and 5 in holders["C"].pinned
+
+
+def test_a_holder_another_job_started_during_a_look_is_checked_before_it_is_taken(tier):
+    """A stale job of the folder's earlier incarnation started a holder on a new node after
+    the successor's look found none there; the successor took it without asking whose it
+    was, and its next driver retired it with the successor's committed step on it (review
+    30, claim 3). A holder found where none was is checked like any other."""
+    nodes, store, holders = tier
+    name = holder_name("run", "C")
+    del nodes.holders[name]  # node C just joined: no holder there yet
+
+    def start_holder(name: str, namespace: str, node: str, *args: Any) -> None:
+        nodes.me = node
+        nodes.holders[name] = Holder(*args, listen=False)
+
+    def kill(handle: Any) -> None:
+        for k, v in list(nodes.holders.items()):
+            if v is handle.obj:
+                del nodes.holders[k]
+
+    nodes.start_holder, nodes.kill = start_holder, kill  # type: ignore[method-assign]
+    nodes.sleep = lambda s: None  # type: ignore[method-assign]
+    succ = Identity("run", "fp", "", store.namespace, confirm=lambda: None)
+    succ.start(["A", "B"], 1 << 26, 4)
+    real, raced = succ._retire_foreign, []
+
+    def a_stale_job_starts_one(name: str, wait_s: float = 60.0) -> Any:
+        seen = real(name, wait_s)
+        if not raced:  # once: the stale job's look creates its holder, then fails
+            raced.append(True)
+            start_holder(name, "", "C", "run", "fp", 1 << 26, 4, "old incarnation")
+        return seen
+
+    succ._retire_foreign = a_stale_job_starts_one  # type: ignore[method-assign]
+    assert [n for _, n in succ.start(["C"], 1 << 26, 4, joined=True)] == ["C"]
+    assert nodes.holders[name].incarnation == "" and nodes.holders[name].claim == succ.claim

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import errno
 import logging
 import random
 from collections.abc import Callable, Coroutine
@@ -22,6 +23,7 @@ from forge_ckpt.errors import CheckpointError  # noqa: E402
 from forge_ckpt.memory import cluster as seam  # noqa: E402
 from forge_ckpt.memory import tier as tier_module  # noqa: E402
 from forge_ckpt.memory.holder import StaleWriteError  # noqa: E402
+from forge_ckpt.memory.holders import Identity  # noqa: E402
 from forge_ckpt.sim.actors import Component, SimActor  # noqa: E402
 from forge_ckpt.sim.loop import SimQueueLock, SimThread, run_io  # noqa: E402
 from forge_ckpt.sim.memory import SimCluster  # noqa: E402
@@ -29,6 +31,7 @@ from forge_ckpt.sim.scenario import _hermetic  # noqa: E402
 from forge_ckpt.sim.world import PROC, Faults, Proc, World  # noqa: E402
 from forge_ckpt.steps import layout  # noqa: E402
 from forge_ckpt.storage import open_storage  # noqa: E402
+from forge_ckpt.storage.base import StorageError  # noqa: E402
 
 TTL = 30.0
 
@@ -359,3 +362,25 @@ def test_an_opening_that_stalls_past_its_lease_takes_none_of_its_successors_hold
     holders = [h.obj for h in world.memory.actors.values() if h.proc.alive]
     assert all(h.claim == b.coord.tier.claim for h in holders)
     b.coord.close()
+
+
+def test_a_lease_check_that_fails_while_the_tier_opens_says_so_and_releases_it(world, monkeypatch):
+    """The opening checks the folder's lease before it claims the holders; a storage error
+    there escaped the coordinator as the bare lease error, which spoke of a removal (review
+    30, claim 2). It says the holders could not be claimed and what to do; the lease is
+    released, and the next job opens at once."""
+    real = Identity._confirm_take
+
+    def storage_down(self: Identity, seen: Any) -> None:
+        self.confirm = _failing_check
+        real(self, seen)
+
+    monkeypatch.setattr(Identity, "_confirm_take", storage_down)
+    with pytest.raises(CheckpointError, match="could not be checked before claiming"):
+        Job(world, "jobA")
+    monkeypatch.setattr(Identity, "_confirm_take", real)
+    Job(world, "jobB").coord.close()
+
+
+def _failing_check() -> None:
+    raise StorageError(errno.EIO, ".forge_ckpt.lease: 503 Slow Down (test)")

@@ -87,8 +87,10 @@ class CheckpointCoordinator:
         self._op_lock: tuple[Any, asyncio.Lock] | None = None  # (its loop, the lock): _op()
         self._events = Events(config.on_event)  # one record per save and load (events.py)
         # None: no memory tier
+        # (a claim needs the lease held when it is sent, not a fresh renewal: it is a compare and
+        # set over the claim seen, which a late one fails if another opening claimed since)
         self.tier = open_tier(config, self._lease.release, self.store, runtime.to_thread,
-                              lambda: self._lease.check(fresh=True))  # fmt: skip
+                              self._lease.check)  # fmt: skip
         if self.tier is not None:
             self.tier.io = self._storage.background
         memory = self.tier.store if self.tier is not None else None

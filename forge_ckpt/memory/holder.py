@@ -145,13 +145,15 @@ class Holder:
         hold a stale job's late COMMIT, landed after the opening's look missed this holder:
         review 29)."""
         with self._lock:
-            if claim is not None:
+            taken = claim is not None and self.claim != claim_of(claim)
+            if claim is not None:  # (one that serves our claim already keeps its pins)
                 self._claim(claim_of(claim), claim_of(over))
-            if wipe and claim_of(over) not in (NO_CLAIM, claim_of(claim)):
-                self.files.clear()
+            if taken and wipe and claim_of(over) != NO_CLAIM:  # (only from another one:
+                self.files.clear()  # a second look of ours wipes nothing, review 30)
                 self.fences.clear()
             self.budget, self.keep = budget, keep
-            self.pinned.clear()
+            if claim is None or taken:
+                self.pinned.clear()
         return self.info()
 
     def _claim(self, claim: Claim, over: Claim) -> None:

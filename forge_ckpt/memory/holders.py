@@ -130,21 +130,28 @@ class Identity:
     ) -> list[tuple[str, str, Claim]]:
         """Each node's holder (started if none; `room`: budget and keep) and the claim it
         serves; a hung one is left out, as if its node were lost (review 10, D2)."""
-        cluster, found = current(), []
+        found = []
         for node in nodes:
             name = holder_name(self.run_id, node)
             try:  # (a holder already there answers within a call's bound, or is hung)
                 seen = self._retire_foreign(name, min(wait_s, CALL_S))
+                if seen is None and self._exists(name):  # started meanwhile, by another
+                    seen = self._retire_foreign(name, min(wait_s, CALL_S))  # (review 30)
             except NotReady:
                 log.warning("memory tier: the holder on node %s does not answer; going on "
                             "without it (a later save looks again)", node[:8])  # fmt: skip
                 continue
-            try:
-                cluster.actor(name, self.namespace)
-            except ValueError:
+            if not self._exists(name):
                 self._create(name, node, *room)
-            found.append((name, node, seen))
+            found.append((name, node, NO_CLAIM if seen is None else seen))
         return found
+
+    def _exists(self, name: str) -> bool:
+        try:
+            current().actor(name, self.namespace)
+        except ValueError:
+            return False
+        return True
 
     def _confirm_take(self, seen: Claim) -> None:
         """A holder is claimed over `seen` (unless ours already) only once the folder's
@@ -152,7 +159,14 @@ class Identity:
         look, or an opening that stalled past its lease, takes nothing. The claims' orders
         say nothing about the lease (reviews 28, 29)."""
         if seen != self.claim and self.confirm is not None:
-            self.confirm()
+            try:
+                self.confirm()
+            except OSError as e:  # (a lease lost raises CheckpointLockedError, as it is)
+                raise CheckpointError(
+                    f"memory tier: the folder's lease could not be checked before claiming "
+                    f"the run's holders ({e}); nothing was claimed. Open the folder again "
+                    "once its storage answers"
+                ) from e
 
     def _configure(
         self, name: str, node: str, room: tuple[int, int], wait_s: float, look: tuple[Claim, bool]
@@ -189,16 +203,17 @@ class Identity:
             "memory tier (memory_every=0)"
         )
 
-    def _retire_foreign(self, name: str, wait_s: float = CALL_S) -> Claim:
+    def _retire_foreign(self, name: str, wait_s: float = CALL_S) -> Claim | None:
         """Kill a holder of this folder left by another run: another fingerprint, or the run
         of an earlier incarnation of the folder (deleted and made again since). NotReady if
-        the holder there does not answer within `wait_s`. The claim a kept holder serves."""
+        the holder there does not answer within `wait_s`. The claim a kept holder serves;
+        None if no holder is kept."""
         cluster = current()
         try:
             old = cluster.actor(name, self.namespace)
             info = cluster.get(old.info.remote(), timeout=wait_s)
         except (ValueError, ray.exceptions.RayActorError):
-            return NO_CLAIM
+            return None
         except ray.exceptions.GetTimeoutError:
             raise NotReady(name) from None
         theirs = (info["fingerprint"], info.get("incarnation", ""))
@@ -212,7 +227,7 @@ class Identity:
         cluster.kill(old)
         forget(self.namespace, name)
         self._wait_gone(name)
-        return NO_CLAIM
+        return None
 
     def _wait_gone(self, name: str) -> None:
         cluster = current()
