@@ -86,9 +86,9 @@ class CheckpointCoordinator:
         self._attempts = 0  # save attempts so far (they name their files)
         self._op_lock: tuple[Any, asyncio.Lock] | None = None  # (its loop, the lock): _op()
         self._events = Events(config.on_event)  # one record per save and load (events.py)
-        # None: no memory tier
-        # (a claim needs the lease held when it is sent, not a fresh renewal: it is a compare and
-        # set over the claim seen, which a late one fails if another opening claimed since)
+        # None: no memory tier. Its holders are claimed under the lease (`Lease.check`: held,
+        # not freshly renewed: a claim is a compare and set over the claim seen, which a late
+        # one fails if another opening claimed since).
         self.tier = open_tier(config, self._lease.release, self.store, runtime.to_thread,
                               self._lease.check)  # fmt: skip
         if self.tier is not None:

@@ -16,12 +16,12 @@ guards the file table; bytes are fetched, checksummed and written outside it.
 
 Fenced: every change carries its writer's token, (claim, save attempt). A driver that opens
 the folder (under its lease) claims the run's holders: a claim is (order, nonce), its order
-newer than any the holders it sees serve, its nonce its own; a holder takes a claim only over
-the one the driver saw there (compare and set), and refuses every other claim's change (a job
-that lost the folder's lease shares its successor's holders), and a step's files belong to
-one save attempt (`fences`): a
-newer attempt's first call drops an older one's files of that step, and an older attempt's
-late write is refused (its late removal leaves the step alone). See docs/tiers.md.
+newer than any the holders it sees serve, its nonce its own. A holder takes a claim only over
+the one the driver saw there (compare and set) and refuses every other claim's change (a job
+that lost the folder's lease shares its successor's holders). A step's files belong to one
+save attempt (`fences`): a newer attempt's first call drops an older one's files of that
+step, and an older attempt's late write is refused (its late removal leaves the step alone).
+See docs/tiers.md.
 """
 
 from __future__ import annotations
@@ -144,12 +144,13 @@ class Holder:
         is refused. `wipe`: taken from another claim by a later look, the files go (they may
         hold a stale job's late COMMIT, landed after the opening's look missed this holder:
         review 29)."""
+        mine, seen = claim_of(claim), claim_of(over)
         with self._lock:
-            taken = claim is not None and self.claim != claim_of(claim)
+            taken = claim is not None and self.claim != mine
             if claim is not None:  # (one that serves our claim already keeps its pins)
-                self._claim(claim_of(claim), claim_of(over))
-            if taken and wipe and claim_of(over) != NO_CLAIM:  # (only from another one:
-                self.files.clear()  # a second look of ours wipes nothing, review 30)
+                self._claim(mine, seen)
+            if taken and wipe and seen != NO_CLAIM:  # (only from another one: a second look
+                self.files.clear()  # of ours wipes nothing, review 30)
                 self.fences.clear()
             self.budget, self.keep = budget, keep
             if claim is None or taken:
@@ -161,17 +162,21 @@ class Holder:
         another opening claimed this holder since the driver looked is refused."""
         if self.claim not in (claim, over):
             raise StaleWriteError(
-                f"mem holder {self.node_id[:8]} (run {self.run_id}): another opening of the "
+                f"{self._at()} (run {self.run_id}): another opening of the "
                 f"folder, {self.claim}, claimed it since this job's, {claim}, looked: this "
                 "job lost the folder's lease, or two opened at once (open the folder again)"
             )
         self.claim = claim
 
+    def _at(self, key: str = "") -> str:
+        """Where a refusal happened, for its message."""
+        return f"mem holder {self.node_id[:8]}" + (f":{key}" if key else "")
+
     def fence(self, step: int, token: Any) -> None:
         """A save attempt prepares `step`: the step's files of an older attempt go, and that
         attempt's late writes are refused from now on."""
         with self._lock:
-            self._admit(f"mem holder {self.node_id[:8]}:step-{step}", token, step, True)
+            self._admit(self._at(f"step-{step}"), token, step, True)
 
     def _admit(self, where: str, token: Any, step: int | None, write: bool) -> bool:
         """Whether the writer of `token` may change `step` here (the caller holds the lock).
@@ -223,7 +228,7 @@ class Holder:
     def pin(self, step: int, on: bool = True, token: Any = None) -> None:
         """Keep `step` (or stop keeping it) whatever room a put needs: it is being persisted."""
         with self._lock:
-            self._admit(f"mem holder {self.node_id[:8]}", token, None, True)
+            self._admit(self._at(), token, None, True)
             if on:
                 self.pinned.add(step)
             else:
@@ -248,7 +253,7 @@ class Holder:
         """Check the received bytes (checksummed as they came) against the writer's record,
         then keep them, making room."""
         rec = FileRecord.from_dict(record)
-        where = f"mem holder {self.node_id[:8]}:{key}"
+        where = self._at(key)
         check_record(where, sums.size, f"{sums.crc:08x}", rec, sums.record(key))
         with self._lock:
             self._admit(where, record.get(FENCE), step_of(key), True)
@@ -301,7 +306,7 @@ class Holder:
     def create(self, key: str, data: bytes, overwrite: bool = False, token: Any = None) -> bool:
         """Small control files (manifest, COMMIT): False if present and not `overwrite`."""
         with self._lock:
-            self._admit(f"mem holder {self.node_id[:8]}:{key}", token, step_of(key), True)
+            self._admit(self._at(key), token, step_of(key), True)
             if key in self.files and not overwrite:
                 return False
             self.files[key] = bytes(data)
@@ -309,7 +314,7 @@ class Holder:
 
     def replace(self, key: str, data: bytes, tag: str, token: Any = None) -> str | None:
         with self._lock:
-            self._admit(f"mem holder {self.node_id[:8]}:{key}", token, step_of(key), True)
+            self._admit(self._at(key), token, step_of(key), True)
             cur = self.files.get(key)
             if cur is None or crc32c_of_bytes(cur) != tag:
                 return None
@@ -346,7 +351,7 @@ class Holder:
     def rename(self, src: str, dst: str, token: Any = None) -> bool:
         """False if this holder has no copy of `src`."""
         with self._lock:
-            where = f"mem holder {self.node_id[:8]}:{dst}"
+            where = self._at(dst)
             if not self._removes(where, src, token) or not self._admit(where, token,
                                                                         step_of(dst), True):  # fmt: skip
                 return False
@@ -369,7 +374,7 @@ class Holder:
     def _removes(self, where: str, key: str, token: Any) -> bool:
         """Whether a removal of `key` (or of the files under it) by `token`'s writer goes
         ahead: a fenced-off job's raises, an earlier attempt's late one is skipped."""
-        return self._admit(f"mem holder {self.node_id[:8]}:{where}", token, step_of(key), False)
+        return self._admit(self._at(where), token, step_of(key), False)
 
     def _delete_prefix(self, prefix: str) -> None:
         for k in [k for k in self.files if k == prefix or k.startswith(prefix.rstrip("/") + "/")]:

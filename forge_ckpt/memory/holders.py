@@ -81,8 +81,8 @@ class Identity:
         namespace: str,
         confirm: Callable[[], None] | None = None,
     ) -> None:
-        """`confirm`: the folder lease's fresh check (raises if lost), before a later look
-        takes or retires a holder."""
+        """`confirm`: the folder lease's check (raises if lost), before an opening or a later
+        look takes or retires a holder."""
         self.run_id, self.fingerprint, self.incarnation = run_id, fingerprint, inc
         self.namespace = namespace
         self.confirm = confirm
@@ -141,7 +141,7 @@ class Identity:
                 log.warning("memory tier: the holder on node %s does not answer; going on "
                             "without it (a later save looks again)", node[:8])  # fmt: skip
                 continue
-            if not self._exists(name):
+            if seen is None and not self._exists(name):  # (a kept one exists)
                 self._create(name, node, *room)
             found.append((name, node, NO_CLAIM if seen is None else seen))
         return found
@@ -155,7 +155,7 @@ class Identity:
 
     def _confirm_take(self, seen: Claim) -> None:
         """A holder is claimed over `seen` (unless ours already) only once the folder's
-        lease is checked fresh: CheckpointLockedError if this job lost it, so a stale job's
+        lease is checked: CheckpointLockedError if this job lost it, so a stale job's
         look, or an opening that stalled past its lease, takes nothing. The claims' orders
         say nothing about the lease (reviews 28, 29)."""
         if seen != self.claim and self.confirm is not None:
