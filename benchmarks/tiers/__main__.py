@@ -29,7 +29,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .. import disk, setup_logging
+from .. import contention, disk, setup_logging
 from . import recovery, report, saveload
 from .env import Env, environment
 
@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     root = os.path.abspath(args.work_dir)
     cache = disk.drop_cache_method()
     results = _new_results(args, _command(argv), cache)
-    start = time.perf_counter()
+    load, start = contention.now(), time.perf_counter()
     try:
         with environment(root, args.mib * disk.MiB, cache) as env:
             asyncio.run(run_parts(env, args, results))
@@ -140,6 +140,8 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(root, ignore_errors=True)
     results["wall_s"] = time.perf_counter() - start
     results["loadavg_end"] = os.getloadavg()[0]
+    trials = [r["loadavg"] for p in results["parts"].values() for r in p.get("trials", [])]
+    results["load"] = contention.record(load, trials)  # (the section's closing note)
     report.write(results, args.out)
     log.info("done in %.0fs; report in %s", results["wall_s"], args.out)
     return 1 if results["errors"] else 0

@@ -132,7 +132,7 @@ def _transport(p: dict[str, Any]) -> list[str]:
         return []
     return [
         "Raw transport under the tier's data plane, same bytes, no forge_ckpt (plain TCP "
-        "`sendall` / `recv_into` between actors on different nodes, `benchmarks/raw.py`): "
+        "`sendall` / `recv_into` between actors on different nodes, `benchmarks/tiers/raw.py`): "
         f"node_a to the head and node_b at once {_s(sec['sock_send'])} s "
         f"({_mbs(nb, sec['sock_send'])} MB/s per copy); node_a receiving from the head "
         f"{_s(sec['sock_recv1'])} s ({_mbs(nb, sec['sock_recv1'])} MB/s), from the head and "
