@@ -67,8 +67,8 @@ def persisted(store: Any, rec: FileRecord, folder: Any) -> tuple[list[FileRecord
     )
     (folder / "step-5" / "trainer").mkdir(parents=True)  # what prepare_step makes
 
-    async def run(fn: Any, *args: Any) -> Any:
-        return fn(*args)
+    async def run(fn: Any, *args: Any, **kw: Any) -> Any:
+        return fn(*args, **kw)
 
     tier = types.SimpleNamespace(store=store, to_thread=run)
     spec = StorageSpec(str(folder / "step-5"))
@@ -76,12 +76,13 @@ def persisted(store: Any, rec: FileRecord, folder: Any) -> tuple[list[FileRecord
     return written, (folder / "step-5" / inside).read_bytes()
 
 
-@pytest.mark.parametrize("holders", ["current", "earlier release"])
+@pytest.mark.parametrize("holders", ["current", "earlier release", "B of an earlier release"])
 def test_a_persist_writes_a_copy_that_matches_the_manifest(tier, tmp_path, monkeypatch, holders):
     """B keeps the stale copy and comes first for the persist: the owner is a holder whose
     copy matches. Holders of an earlier release (a driver upgraded within a live run adopts
     them) take `has(keys)` only: the persist still runs (checked against the manifest after
-    the write, as before)."""
+    the write, as before). With B alone of an earlier release (a node that joined since got a
+    holder of this release), the others still say which copy matches, and B comes last."""
     nodes, store, by_node = tier
     committed, stale = os.urandom(200_000), os.urandom(200_000)
     rec = put(nodes, store, "B", committed)
@@ -95,6 +96,8 @@ def test_a_persist_writes_a_copy_that_matches_the_manifest(tier, tmp_path, monke
         assert data in (committed, stale)  # an old holder cannot say which copy matches,
         assert (written.crc32c == rec.crc32c) == (data == committed)  # the check after can
         return
+    if holders == "B of an earlier release":
+        monkeypatch.setattr(by_node["B"], "has", _keys_only(by_node["B"]))
     [written], data = persisted(store, rec, tmp_path)
     assert data == committed and written.crc32c == rec.crc32c
 

@@ -56,6 +56,7 @@ _DEAD = (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError, ValueErro
 _handles: dict[tuple[str, str], Any] = {}
 _endpoints: dict[tuple[str, str], Endpoint | None] = {}  # None: the holder has no listener
 _warned: set[str] = set()  # holders whose stream failed (warned once)
+_earlier: set[str] = set()  # holders of an earlier release (asked without newer arguments)
 _lock = threading.Lock()
 DEAD, FALLBACK = "dead", "fallback"  # outcomes of a direct exchange other than its result
 
@@ -72,6 +73,7 @@ def forget(namespace: str, name: str) -> None:
     with _lock:
         _handles.pop((namespace, name), None)
         ep = _endpoints.pop((namespace, name), None)
+    _earlier.discard(name)  # (the new one may be of this release)
     if ep is not None:
         transport.forget(ep)
 
@@ -176,20 +178,22 @@ class MemoryStorage(Storage):
         raise AssertionError("unreachable")
 
     def on_all(
-        self, method: str, *args: Any, token: Token | None = None
+        self, method: str, *args: Any, token: Token | None = None, newer: tuple = ()
     ) -> list[tuple[HolderRef, Any]]:
         """The call on every live holder at once; dead ones are left out. `token`: the
-        writer's, the call's last argument; a holder of an earlier release takes none (a
-        driver upgraded within a live run adopts it): that holder alone is asked without
-        it, or left out of a call it lacks (`fence`)."""
+        writer's, the call's last argument; `newer`: arguments after `args` that a holder of
+        an earlier release does not take either (a driver upgraded within a live run adopts
+        such holders): that holder alone is asked without them, or left out of a call it
+        lacks (`fence`)."""
+        extra = (*newer, *(() if token is None else (token,)))
         futures = []
         for ref in self.holders:
             try:
-                futures.append((ref, *self._submit(ref, method, args, token)))
+                futures.append((ref, *self._submit(ref, method, args, extra)))
             except ValueError:  # no such actor (its node died before we looked it up)
                 continue
             except AttributeError:  # an earlier release's holder lacks the call
-                if token is None:
+                if not extra:
                     raise
         out = []
         for ref, fut, extra in futures:
@@ -203,23 +207,30 @@ class MemoryStorage(Storage):
             except (TypeError, AttributeError):
                 if not extra:
                     raise
-                _earlier_release()
+                _earlier_release(ref)
                 if method != "fence":  # (an earlier release has no fence to set)
                     out.append((ref, self.call(ref, method, *args)))
         return out
 
-    def _submit(
-        self, ref: HolderRef, method: str, args: tuple, token: Token | None
-    ) -> tuple[Any, tuple]:
-        """One holder's call started: (its future, the token argument it was given)."""
+    def _submit(self, ref: HolderRef, method: str, args: tuple, extra: tuple) -> tuple[Any, tuple]:
+        """One holder's call started: (its future, the optional arguments it was given)."""
         fn = getattr(self.handle(ref[0]), method)
-        if token is None:
+        if not extra:
             return fn.remote(*args), ()
         try:
-            return fn.remote(*args, token), (token,)
+            return fn.remote(*args, *extra), extra
         except TypeError:  # Ray checks a call's arguments as it is submitted
-            _earlier_release()
+            _earlier_release(ref)
             return fn.remote(*args), ()
+
+    def holding(
+        self, keys: list[str], records: list[tuple[int, int]]
+    ) -> list[tuple[HolderRef, list[bool]]]:
+        """Which live holders keep a copy of each key that matches its (size, CRC32C) record.
+        A holder of an earlier release can only say it keeps one: it comes last (its copy
+        is checked by whoever uses it)."""
+        has = self.on_all("has", keys, newer=(records,))
+        return sorted(has, key=lambda answer: answer[0][0] in _earlier)
 
     def fenced(self, method: str, *args: Any) -> list[tuple[HolderRef, Any]]:
         """`on_all` of a change, with this writer's token (`Holder._admit`)."""
@@ -517,12 +528,15 @@ class MemoryStorage(Storage):
         raise StorageError(f"{self.url}: the memory tier does not move steps (drop them)")
 
 
-def _earlier_release() -> None:
-    """A holder of an earlier release took a call without the writer's token: said once."""
+def _earlier_release(ref: HolderRef) -> None:
+    """A holder of an earlier release took a call without this release's arguments (the
+    writer's token, a persist's records): noted, and said once."""
+    _earlier.add(ref[0])
     if "fence" not in _warned:
         _warned.add("fence")
         log.warning("memory holders of an earlier release: their changes are not fenced by "
-                    "the opening of the folder (restart the run's holders to fence them)")  # fmt: skip
+                    "the opening of the folder, nor their copies checked before a persist "
+                    "(restart the run's holders)")  # fmt: skip
 
 
 class _ViaRay:

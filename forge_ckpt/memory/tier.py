@@ -500,10 +500,7 @@ class MemoryTier:
         # copies that match the manifest: a stale job's late write may have left another
         # file of the name on a holder that had none (review 21)
         records = [(f.size, f.crc32c) for f in manifest.files]
-        try:
-            has = await self.to_thread(self.store.on_all, "has", keys, records)
-        except TypeError:  # holders of an earlier release, adopted by this driver: keys only
-            has = await self.to_thread(self.store.on_all, "has", keys)  # (checked after)
+        has = await self.to_thread(self.store.holding, keys, records)
         jobs: dict[HolderRef, list[tuple[str, str]]] = {}
         for i, (f, key) in enumerate(zip(manifest.files, keys, strict=True)):
             owner = next((ref for ref, flags in has if flags[i]), None)
