@@ -61,13 +61,17 @@ def test_killed_job_resumes_bitwise(references, tmp_path, variant):
     folder = os.path.join(run_dir, chaos.CHECKPOINTS)
     previous = None
     for n, moment in enumerate(moments):
-        job = chaos.Job(CONFIG, run_dir, overrides, SLOW, str(tmp_path / f"start{n}.log"))
+        job = chaos.Job(
+            CONFIG, run_dir, overrides, SLOW | held(moment), str(tmp_path / f"start{n}.log")
+        )
         if previous is not None:
             check_resumed(job, previous)
         kill = chaos.kill_at(job, run_dir, moment)
         assert kill is not None, f"job ended before the {moment} kill"
         if moment == "during_save":
             assert kill.during_save
+        if moment == "between_saves":  # killed where it held: after an unsaved step's line
+            assert kill.lines_at_kill == job.holding() and not kill.during_save
         previous = kill
     job = run_to_end(run_dir, overrides, {}, str(tmp_path / "last.log"))
     check_resumed(job, previous)
@@ -88,17 +92,28 @@ def test_killed_job_on_s3_resumes_bitwise(references, tmp_path, s3_folder, monke
     run_dir = str(tmp_path / "run")
     previous = None
     for n, moment in enumerate(["during_save", "between_saves"]):
-        job = chaos.Job(CONFIG, run_dir, overrides, {**SLOW, **env}, str(tmp_path / f"s{n}.log"))
+        job = chaos.Job(
+            CONFIG, run_dir, overrides, SLOW | env | held(moment), str(tmp_path / f"s{n}.log")
+        )
         if previous is not None:
             check_resumed(job, previous)
         previous = chaos.kill_at(job, run_dir, moment, folder=s3_folder.url)
         assert previous is not None, f"job ended before the {moment} kill"
+        if moment == "between_saves":
+            assert previous.lines_at_kill == job.holding() and not previous.during_save
     job = run_to_end(run_dir, overrides, env, str(tmp_path / "last.log"))
     check_resumed(job, previous)
     assert committed_steps(s3_folder.url)[-1] == 12
     assert not os.path.exists(os.path.join(run_dir, chaos.CHECKPOINTS))  # nothing went local
     assert read(os.path.join(run_dir, chaos.METRICS)) == read(os.path.join(ref, chaos.METRICS))
     assert read(os.path.join(run_dir, chaos.WEIGHTS)) == read(os.path.join(ref, chaos.WEIGHTS))
+
+
+def held(moment: str) -> dict[str, str]:
+    """A job to be killed between two saves holds there until killed (`chaos_hold`): the
+    window between a step's line and the next save is short, and a busy machine's polls of
+    an S3 folder can miss every one (the run ended first)."""
+    return {chaos.CHAOS_HOLD: "between_saves"} if moment == "between_saves" else {}
 
 
 def check_resumed(job: chaos.Job, kill: chaos.Kill) -> None:

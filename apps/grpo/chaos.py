@@ -43,7 +43,7 @@ class Job:
 
     def __init__(self, config: str, run_dir: str, overrides: list[str], env: dict, log: str):
         cmd = [sys.executable, "-m", "apps.grpo.main", "--config", config, f"run_dir={run_dir}"]
-        self.log = log
+        self.log, self.holds = log, env.get(CHAOS_HOLD) == "between_saves"
         self.proc = subprocess.Popen(
             cmd + overrides,
             stdout=open(log, "w"),  # noqa: SIM115 (the child owns it)
@@ -65,6 +65,12 @@ class Job:
     def wait(self, timeout: float) -> int:
         return self.proc.wait(timeout=timeout)
 
+    def holding(self) -> int | None:
+        """The step after which this start holds (`GRPO_CHAOS_HOLD`), once it has said so."""
+        with open(self.log) as f:
+            m = HOLDING.search(f.read())
+        return int(m.group(1)) if m else None
+
     def resumed_from(self) -> int | None:
         """The step this start loaded (0 for a fresh start), once it has said so."""
         with open(self.log) as f:
@@ -75,6 +81,8 @@ class Job:
 
 
 CHAOS_KILL = "GRPO_CHAOS_KILL"
+CHAOS_HOLD = "GRPO_CHAOS_HOLD"
+HOLDING = re.compile(r"chaos: holding after step (\d+)")
 _killed: set[str] = set()
 
 
@@ -95,6 +103,17 @@ def chaos_hook(job: Any, step: int) -> None:
     handle = first[name] if name in first else getattr(job, name)
     print(f"chaos: killing {name} after step {step}", flush=True)
     ray.kill(handle, no_restart=True)
+
+
+async def chaos_hold(step: int, stop: Any) -> None:
+    """Tests of a kill between two saves: `GRPO_CHAOS_HOLD=between_saves` makes the driver
+    stop after the first step of this process that is not saved (its line written) until
+    SIGTERM, so that a test kills it there for certain instead of racing a short window."""
+    if os.environ.get(CHAOS_HOLD) != "between_saves" or CHAOS_HOLD in _killed:
+        return
+    _killed.add(CHAOS_HOLD)
+    print(f"chaos: holding after step {step}", flush=True)
+    await stop.wait()
 
 
 def metrics_lines(run_dir: str) -> int:
@@ -192,7 +211,9 @@ def kill_at(
     elif moment == "after_commit":
         newest = max(committed_steps(folder), default=0)
         hit = wait_until(job, lambda: max(committed_steps(folder), default=0) > newest, 300, 0.001)
-    elif moment == "between_saves":
+    elif moment == "between_saves" and job.holds:  # held there: once every save has ended
+        hit = wait_until(job, lambda: job.holding() is not None and not saving(folder), 600)
+    elif moment == "between_saves":  # (a short window: the soak's kills may miss it)
         lines = metrics_lines(run_dir)
         hit = wait_until(
             job,

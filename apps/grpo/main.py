@@ -47,7 +47,7 @@ from forge_ckpt import (  # noqa: E402
 )
 
 from .async_rl import AsyncJob, resume_and_train_async  # noqa: E402
-from .chaos import chaos_hook  # noqa: E402
+from .chaos import chaos_hold, chaos_hook  # noqa: E402
 from .config import ConfigError, fingerprint, load_config  # noqa: E402
 from .metrics import EventsLog, MetricsLog, step_record  # noqa: E402
 from .progress import Progress, summary  # noqa: E402
@@ -347,6 +347,8 @@ async def train_loop(
             log.sync()
             extra = {"policy_version": record["policy_version"]}
             await coord.save(step, extra=extra, durable=durable)
+        else:
+            await chaos_hold(step, stop)  # tests: GRPO_CHAOS_HOLD=between_saves
     return step
 
 
