@@ -13,16 +13,21 @@ the stale write outright. Holders: `_mem_nodes.py`.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import os
 import types
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import _mem_nodes
 import pytest
+import ray
 from _mem_nodes import NODES, PATH, put, three_nodes
 
-from forge_ckpt.errors import CheckpointCorruptError
+from forge_ckpt.errors import CheckpointCorruptError, CheckpointError
+from forge_ckpt.memory import store as memstore
 from forge_ckpt.memory.holder import Holder
+from forge_ckpt.memory.placement import holder_name
 from forge_ckpt.memory.tier import MemoryTier
 from forge_ckpt.steps import layout
 from forge_ckpt.storage import FileRecord, StorageSpec
@@ -117,3 +122,69 @@ def test_no_matching_copy_raises_the_first_reads_error(tier):
     longer = FileRecord(rec.path, rec.size + 10, rec.crc32c)
     with pytest.raises(CheckpointCorruptError, match="size is 50000 bytes"):
         store.read_verified(PATH, longer)
+
+
+def test_a_dead_holders_call_goes_with_the_records_to_the_holder_of_its_name_now(
+    tier, tmp_path, monkeypatch
+):
+    """Review 32: B's cached handle is a dead holder of an earlier release (Ray refuses the
+    records as the call is submitted), and B's name has a holder of this release now. Asked
+    again, that holder gets the records: its stale copy is not taken for a match, and with no
+    other copy left that matches, the persist says so instead of writing the stale one."""
+    real = _mem_nodes._Method.remote
+
+    def ray_like(self: Any, *args: Any) -> Any:  # Ray checks a call's arguments at submission
+        inspect.signature(getattr(self.obj, self.name)).bind(*args)
+        return real(self, *args)
+
+    monkeypatch.setattr(_mem_nodes._Method, "remote", ray_like)
+    nodes, store, by_node = tier
+    committed, stale = os.urandom(200_000), os.urandom(200_000)
+    rec = put(nodes, store, "B", committed)
+    with pytest.raises(AlreadyExistsError):
+        put(nodes, store, "C", stale)  # B keeps the stale copy
+    store.holders = tuple(sorted(store.holders, key=lambda r: r[1] != "B"))
+    asked: list[bool] = []
+    b_has = by_node["B"].has
+
+    def has(keys: list[str], records: Any = None) -> list[bool]:
+        asked.append(records is not None)
+        return b_has(keys, records)
+
+    monkeypatch.setattr(by_node["B"], "has", has)
+    by_node["A"].files.pop(PATH)  # the committed copies: A's lost, C's damaged
+    by_node["C"].files[PATH] = b"x" * rec.size
+    memstore._handles[(store.namespace, holder_name("run", "B"))] = _mem_nodes._Handle(_DeadOld())
+    with pytest.raises(CheckpointError, match="no copy left that matches"):
+        persisted(store, rec, tmp_path)
+    assert asked == [True]
+
+
+class _DeadOld:
+    """A holder of an earlier release (keys only) that died."""
+
+    def has(self, keys: list[str]) -> list[bool]:
+        raise ray.exceptions.RayActorError()
+
+
+def test_a_holder_that_dies_before_its_call_without_the_records_is_left_out(tier, tmp_path):
+    """Review 32: B refuses the records (an earlier release) and its node dies before it is
+    asked without them: it is left out as any dead holder is, and the persist writes the
+    committed copy another holder keeps (it raised the holder lookup's ValueError)."""
+    nodes, store, by_node = tier
+    committed, stale = os.urandom(200_000), os.urandom(200_000)
+    rec = put(nodes, store, "B", committed)
+    with pytest.raises(AlreadyExistsError):
+        put(nodes, store, "C", stale)
+    store.holders = tuple(sorted(store.holders, key=lambda r: r[1] != "B"))
+    name = holder_name("run", "B")
+
+    def has(keys: list[str], *records: Any) -> list[bool]:
+        if not records:  # (asked on its cached handle once its node is gone)
+            raise ray.exceptions.RayActorError()
+        nodes.holders.pop(name)  # B's node dies as it answers
+        raise TypeError("has() takes 2 positional arguments but 3 were given")
+
+    by_node["B"].has = has  # type: ignore[method-assign]
+    [written], data = persisted(store, rec, tmp_path)
+    assert data == committed and written.crc32c == rec.crc32c

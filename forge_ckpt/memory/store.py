@@ -56,7 +56,7 @@ _DEAD = (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError, ValueErro
 _handles: dict[tuple[str, str], Any] = {}
 _endpoints: dict[tuple[str, str], Endpoint | None] = {}  # None: the holder has no listener
 _warned: set[str] = set()  # holders whose stream failed (warned once)
-_earlier: set[str] = set()  # holders of an earlier release (asked without newer arguments)
+_LEFT_OUT = object()  # a holder left out of a call (`on_all`)
 _lock = threading.Lock()
 DEAD, FALLBACK = "dead", "fallback"  # outcomes of a direct exchange other than its result
 
@@ -73,7 +73,6 @@ def forget(namespace: str, name: str) -> None:
     with _lock:
         _handles.pop((namespace, name), None)
         ep = _endpoints.pop((namespace, name), None)
-    _earlier.discard(name)  # (the new one may be of this release)
     if ep is not None:
         transport.forget(ep)
 
@@ -166,9 +165,12 @@ class MemoryStorage(Storage):
                         "object store", ref[1][:8], why)  # fmt: skip
         return FALLBACK, why
 
-    def call(self, ref: HolderRef, method: str, *args: Any, timeout: float = 60.0) -> Any:
-        """One holder call; raises a `_DEAD` error if the holder is gone."""
-        for attempt in (0, 1):
+    def call(
+        self, ref: HolderRef, method: str, *args: Any, timeout: float = 60.0, fresh: bool = False
+    ) -> Any:
+        """One holder call; raises a `_DEAD` error if the holder is gone. `fresh`: its cached
+        handle is known dead (the name may have a new holder)."""
+        for attempt in (1,) if fresh else (0, 1):
             try:
                 h = self.handle(ref[0], refresh=attempt == 1)
                 return current().get(getattr(h, method).remote(*args), timeout=timeout)
@@ -178,13 +180,18 @@ class MemoryStorage(Storage):
         raise AssertionError("unreachable")
 
     def on_all(
-        self, method: str, *args: Any, token: Token | None = None, newer: tuple = ()
+        self,
+        method: str,
+        *args: Any,
+        token: Token | None = None,
+        newer: tuple = (),
+        asked_without: set[str] | None = None,
     ) -> list[tuple[HolderRef, Any]]:
         """The call on every live holder at once; dead ones are left out. `token`: the
         writer's, the call's last argument; `newer`: arguments after `args` that a holder of
         an earlier release does not take either (a driver upgraded within a live run adopts
-        such holders): that holder alone is asked without them, or left out of a call it
-        lacks (`fence`)."""
+        such holders): that holder alone is asked without them (its name goes into
+        `asked_without`), or left out of a call it lacks (`fence`)."""
         extra = (*newer, *(() if token is None else (token,)))
         futures = []
         for ref in self.holders:
@@ -195,21 +202,26 @@ class MemoryStorage(Storage):
             except AttributeError:  # an earlier release's holder lacks the call
                 if not extra:
                     raise
-        out = []
-        for ref, fut, extra in futures:
+        out, without = [], set() if asked_without is None else asked_without
+        for ref, fut, given in futures:
             try:
-                out.append((ref, current().get(fut, timeout=60.0)))
-            except _DEAD:
-                try:
-                    out.append((ref, self.call(ref, method, *args, *extra)))
+                answer, asked = current().get(fut, timeout=60.0), given
+            except _DEAD:  # once more, with every argument: a holder that took its name
+                try:  # may be of this release
+                    answer, asked = self._again(ref, method, args, extra)
                 except _DEAD:
                     continue
             except (TypeError, AttributeError):
-                if not extra:
+                if not given:
                     raise
-                _earlier_release(ref)
-                if method != "fence":  # (an earlier release has no fence to set)
-                    out.append((ref, self.call(ref, method, *args)))
+                try:
+                    answer, asked = self._without(ref, method, args), ()
+                except _DEAD:
+                    continue
+            if answer is not _LEFT_OUT:
+                out.append((ref, answer))
+            if extra and not asked:
+                without.add(ref[0])
         return out
 
     def _submit(self, ref: HolderRef, method: str, args: tuple, extra: tuple) -> tuple[Any, tuple]:
@@ -220,8 +232,26 @@ class MemoryStorage(Storage):
         try:
             return fn.remote(*args, *extra), extra
         except TypeError:  # Ray checks a call's arguments as it is submitted
-            _earlier_release(ref)
+            _earlier_release()
             return fn.remote(*args), ()
+
+    def _again(self, ref: HolderRef, method: str, args: tuple, extra: tuple) -> tuple[Any, tuple]:
+        """A dead holder's call on the holder of its name now: (its answer, what it took). A
+        refusal of `extra` may come from the dead holder's cached handle (Ray checks the
+        arguments as a call is submitted): the holder of its name now is asked too."""
+        for fresh in (False, True):
+            try:
+                return self.call(ref, method, *args, *extra, fresh=fresh), extra
+            except (TypeError, AttributeError):
+                if not extra:
+                    raise
+        return self._without(ref, method, args), ()
+
+    def _without(self, ref: HolderRef, method: str, args: tuple) -> Any:
+        """The call on a holder of an earlier release, without this release's arguments
+        (`_LEFT_OUT` for `fence`: it has none to set)."""
+        _earlier_release()
+        return _LEFT_OUT if method == "fence" else self.call(ref, method, *args)
 
     def holding(
         self, keys: list[str], records: list[tuple[int, int]]
@@ -229,8 +259,9 @@ class MemoryStorage(Storage):
         """Which live holders keep a copy of each key that matches its (size, CRC32C) record.
         A holder of an earlier release can only say it keeps one: it comes last (its copy
         is checked by whoever uses it)."""
-        has = self.on_all("has", keys, newer=(records,))
-        return sorted(has, key=lambda answer: answer[0][0] in _earlier)
+        without: set[str] = set()
+        has = self.on_all("has", keys, newer=(records,), asked_without=without)
+        return sorted(has, key=lambda answer: answer[0][0] in without)
 
     def fenced(self, method: str, *args: Any) -> list[tuple[HolderRef, Any]]:
         """`on_all` of a change, with this writer's token (`Holder._admit`)."""
@@ -528,10 +559,9 @@ class MemoryStorage(Storage):
         raise StorageError(f"{self.url}: the memory tier does not move steps (drop them)")
 
 
-def _earlier_release(ref: HolderRef) -> None:
+def _earlier_release() -> None:
     """A holder of an earlier release took a call without this release's arguments (the
-    writer's token, a persist's records): noted, and said once."""
-    _earlier.add(ref[0])
+    writer's token, a persist's records): said once."""
     if "fence" not in _warned:
         _warned.add("fence")
         log.warning("memory holders of an earlier release: their changes are not fenced by "
