@@ -8,8 +8,8 @@ import contextlib
 from collections.abc import Callable, Generator, Iterator
 from typing import Any
 
+from forge_ckpt.memory import calls as holder_calls
 from forge_ckpt.memory import cluster, transport
-from forge_ckpt.memory import store as memstore
 from forge_ckpt.memory.holder import Holder
 from forge_ckpt.memory.placement import holder_name
 from forge_ckpt.memory.transport import Server
@@ -106,7 +106,7 @@ def three_nodes() -> Iterator[tuple[Nodes, Any, dict[str, Holder]]]:
             s.stop()
             transport._POOL.drop(s.endpoint)  # this process's idle connections to it
         for name, _ in refs:  # the next test's holders of these names listen elsewhere
-            memstore.forget(store.namespace, name)
+            holder_calls.forget(store.namespace, name)
         cluster.install(old)
 
 

@@ -25,7 +25,7 @@ import ray
 from _mem_nodes import NODES, PATH, put, three_nodes
 
 from forge_ckpt.errors import CheckpointCorruptError, CheckpointError
-from forge_ckpt.memory import store as memstore
+from forge_ckpt.memory import calls as holder_calls
 from forge_ckpt.memory.holder import Holder
 from forge_ckpt.memory.placement import holder_name
 from forge_ckpt.memory.tier import MemoryTier
@@ -154,7 +154,9 @@ def test_a_dead_holders_call_goes_with_the_records_to_the_holder_of_its_name_now
     monkeypatch.setattr(by_node["B"], "has", has)
     by_node["A"].files.pop(PATH)  # the committed copies: A's lost, C's damaged
     by_node["C"].files[PATH] = b"x" * rec.size
-    memstore._handles[(store.namespace, holder_name("run", "B"))] = _mem_nodes._Handle(_DeadOld())
+    holder_calls._handles[(store.namespace, holder_name("run", "B"))] = _mem_nodes._Handle(
+        _DeadOld()
+    )
     with pytest.raises(CheckpointError, match="no copy left that matches"):
         persisted(store, rec, tmp_path)
     assert asked == [True]

@@ -22,10 +22,10 @@ import ray
 
 from ..errors import CheckpointError
 from ..storage import AlreadyExistsError, Storage
+from .calls import forget
 from .cluster import current
 from .holder import NO_CLAIM, Claim, StaleWriteError, claim_of
 from .placement import HolderRef, holder_name
-from .store import forget
 
 log = logging.getLogger("forge_ckpt")
 RUN_FILE = ".forge_ckpt.run"

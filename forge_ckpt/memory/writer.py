@@ -95,7 +95,7 @@ class MemWriter(Writer):
 
 def start_streams(store: MemoryStorage, path: str, feed: Feed) -> list[tuple[HolderRef, Future]]:
     """A stream to each of the first `copies` holders that have a listener (by preference)."""
-    from .store import _DEAD
+    from .calls import _DEAD
 
     key = store.key(path)
     me = current().node_id()

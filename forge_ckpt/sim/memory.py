@@ -27,6 +27,7 @@ from typing import Any
 import ray
 
 from ..errors import CheckpointCorruptError
+from ..memory import calls as holder_calls
 from ..memory import cluster as seam
 from ..memory import store as memstore
 from ..memory.cluster import RayCluster
@@ -308,10 +309,10 @@ def _settle(fut: asyncio.Future, error: BaseException) -> None:
 def hermetic() -> None:
     """A schedule starts with Ray's seam and no cached holder handles."""
     seam.install(RayCluster())
-    with memstore._lock:
-        memstore._handles.clear()
-        memstore._endpoints.clear()
-        memstore._warned.clear()
+    with holder_calls._lock:
+        holder_calls._handles.clear()
+        holder_calls._endpoints.clear()
+        holder_calls._warned.clear()
 
 
 class MemoryOracle:
