@@ -84,6 +84,7 @@ CHAOS_KILL = "GRPO_CHAOS_KILL"
 CHAOS_HOLD = "GRPO_CHAOS_HOLD"
 HOLDING = re.compile(r"chaos: holding after step (\d+)")
 _killed: set[str] = set()
+_held: list[int] = []  # the step this process held after (GRPO_CHAOS_HOLD), at most one
 
 
 def chaos_hook(job: Any, step: int) -> None:
@@ -109,9 +110,9 @@ async def chaos_hold(step: int, stop: Any) -> None:
     """Tests of a kill between two saves: `GRPO_CHAOS_HOLD=between_saves` makes the driver
     stop after the first step of this process that is not saved (its line written) until
     SIGTERM, so that a test kills it there for certain instead of racing a short window."""
-    if os.environ.get(CHAOS_HOLD) != "between_saves" or CHAOS_HOLD in _killed:
+    if os.environ.get(CHAOS_HOLD) != "between_saves" or _held:
         return
-    _killed.add(CHAOS_HOLD)
+    _held.append(step)
     print(f"chaos: holding after step {step}", flush=True)
     await stop.wait()
 
