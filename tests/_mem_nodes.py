@@ -5,6 +5,7 @@ refusals and the reads are the product's own (test_memory_stale_copies, test_mem
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Callable, Generator, Iterator
 from typing import Any
 
@@ -41,6 +42,18 @@ class _Method:
 
     def remote(self, *args: Any) -> _Done:
         return _Done(lambda: getattr(self.obj, self.name)(*args))
+
+
+def check_arguments_at_submission(monkeypatch: Any) -> None:
+    """Make a holder call check its arguments when it is submitted, as Ray does (a missing
+    method: AttributeError; arguments that do not bind: TypeError), not when it runs."""
+    real = _Method.remote
+
+    def ray_like(self: _Method, *args: Any) -> _Done:
+        inspect.signature(getattr(self.obj, self.name)).bind(*args)
+        return real(self, *args)
+
+    monkeypatch.setattr(_Method, "remote", ray_like)
 
 
 class _Handle:

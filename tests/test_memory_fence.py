@@ -10,7 +10,6 @@ Real `Holder` objects with their real listeners, one per simulated node (`_mem_n
 
 from __future__ import annotations
 
-import inspect
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -222,13 +221,7 @@ class _EarlierRelease:
 def mixed(tier, monkeypatch):
     """Node A's holder is of the earlier release; calls are checked as they are submitted,
     as Ray does (a missing method: AttributeError; arguments that do not bind: TypeError)."""
-    real = _mem_nodes._Method.remote
-
-    def ray_like(self: Any, *args: Any) -> Any:
-        inspect.signature(getattr(self.obj, self.name)).bind(*args)
-        return real(self, *args)
-
-    monkeypatch.setattr(_mem_nodes._Method, "remote", ray_like)
+    _mem_nodes.check_arguments_at_submission(monkeypatch)
     nodes, store, holders = tier
     nodes.holders[holder_name("run", "A")] = _EarlierRelease(holders["A"])
     return tier

@@ -13,7 +13,6 @@ the stale write outright. Holders: `_mem_nodes.py`.
 from __future__ import annotations
 
 import asyncio
-import inspect
 import os
 import types
 from collections.abc import Callable, Iterator
@@ -131,13 +130,7 @@ def test_a_dead_holders_call_goes_with_the_records_to_the_holder_of_its_name_now
     records as the call is submitted), and B's name has a holder of this release now. Asked
     again, that holder gets the records: its stale copy is not taken for a match, and with no
     other copy left that matches, the persist says so instead of writing the stale one."""
-    real = _mem_nodes._Method.remote
-
-    def ray_like(self: Any, *args: Any) -> Any:  # Ray checks a call's arguments at submission
-        inspect.signature(getattr(self.obj, self.name)).bind(*args)
-        return real(self, *args)
-
-    monkeypatch.setattr(_mem_nodes._Method, "remote", ray_like)
+    _mem_nodes.check_arguments_at_submission(monkeypatch)
     nodes, store, by_node = tier
     committed, stale = os.urandom(200_000), os.urandom(200_000)
     rec = put(nodes, store, "B", committed)
