@@ -48,6 +48,7 @@ from torch.futures import Future
 from ..errors import CheckpointCorruptError
 from ..storage import FileRecord, Storage
 from ..storage.base import StorageError, check_record
+from . import zip_crc
 from .reader import (
     Blob,
     FileIdentity,
@@ -106,7 +107,8 @@ class SeamFileSystem(FileSystemBase):
         rel = str(path)
         if mode == "wb":
             try:
-                with self.store.writer(rel, exclusive=True) as w:
+                # Our CRC32C covers every byte: torch.save's zip CRC32 is redundant work.
+                with self.store.writer(rel, exclusive=True) as w, zip_crc.off():
                     yield _WriteStream(w)
                     rec = w.close()
             except BaseException as e:
