@@ -1,5 +1,6 @@
 """`dcp_io.SavePlanner`: reusing the `torch.save` bytes of repeated small values changes
-nothing in the files DCP writes, and no value is mistaken for an equal one of another kind."""
+nothing in the files DCP writes, and no value is mistaken for an equal one of another kind;
+`SeamWriter` writes DCP's own bytes."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
 
-from forge_ckpt.dcp.storage_io import SavePlanner
+from forge_ckpt.dcp.storage_io import SavePlanner, SeamWriter
+from forge_ckpt.storage import open_storage
 
 VALUES = {
     "zero": 0.0,
@@ -57,3 +59,20 @@ def test_equal_values_of_other_kinds_stay_apart(tmp_path: Path) -> None:
     assert out["betas"] == (0.9, 0.95) and out["text"] == "adamw" and out["none"] is None
     assert out["nested"] == VALUES["nested"]
     assert torch.equal(out["w"], VALUES["w"])
+
+
+def test_seam_writer_writes_the_bytes_dcps_writer_writes(tmp_path: Path, monkeypatch) -> None:
+    """With torch's zip CRC32 kept, forge_ckpt's writer (its own per-item stream wrapper,
+    no collectives at one rank) writes the very bytes DCP's FileSystemWriter writes."""
+    monkeypatch.setenv("FORGE_CKPT_ZIP_CRC32", "1")
+    state = {**_state(), "big": torch.randn(300, 300)}
+    stock, ours = tmp_path / "stock", tmp_path / "ours"
+    writer = FileSystemWriter(stock, thread_count=2, sync_files=False)
+    dcp.save(state, storage_writer=writer, planner=DefaultSavePlanner(), no_dist=True)
+    ours.mkdir()
+    seam = SeamWriter(open_storage(str(ours)), thread_count=2)
+    dcp.save(state, storage_writer=seam, planner=SavePlanner(), no_dist=True)
+    shards = sorted(p.name for p in stock.glob("*.distcp"))
+    assert shards and shards == sorted(p.name for p in ours.glob("*.distcp"))
+    for name in shards:
+        assert (stock / name).read_bytes() == (ours / name).read_bytes(), name

@@ -84,6 +84,34 @@ class _WriteStream(io.RawIOBase):
         return self._pos
 
 
+class _NoCloseWriter(io.IOBase):
+    """What DCP wraps each item's stream in (`close()` flushes, never closes), made once:
+    DCP defines this class anew inside `transform_save_stream`, for every item it writes,
+    a fifth of a small trainer's save (258 items, 20 of 68 ms) on this project's machines."""
+
+    def __init__(self, raw: Any) -> None:
+        self.raw = raw
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b: Any) -> int:
+        return self.raw.write(b)
+
+    def close(self) -> None:
+        self.raw.flush()  # but not close: DCP appends the next item to the same stream
+
+
+class _Transforms(dcp_filesystem._StorageWriterTransforms):
+    """DCP's save-stream transforms with no extensions (the default), without the class
+    made per item; with extensions, DCP's own."""
+
+    def transform_save_stream(self, write_item: WriteItem, raw_stream: Any) -> Any:
+        if self.extensions:
+            return super().transform_save_stream(write_item, raw_stream)
+        return _NoCloseWriter(raw_stream), []
+
+
 class SeamFileSystem(FileSystemBase):
     """DCP's file-system interface on a `Storage` rooted at the step folder."""
 
@@ -208,6 +236,7 @@ class SeamWriter(FileSystemWriter):
         # sync_files=False: our storage writer makes each file durable itself (DCP would
         # otherwise fall back to a machine-wide os.sync() for a stream without a fileno).
         super().__init__("", sync_files=False, thread_count=thread_count)
+        self.transforms = _Transforms(self.transforms.extensions)
         self.seam = SeamFileSystem(store)
         # DCP types `fs` as its local FileSystem but only uses the FileSystemBase interface.
         self.fs = self.seam  # type: ignore[assignment]

@@ -286,7 +286,13 @@ class TrainerCheckpointer:
         store.makedirs(layout.TRAINER)  # the coordinator made it; a bare DCP user may not
         writer = SeamWriter(store, thread_count=self.write_threads)
         with _dcp_errors(self.rank):
-            dcp.save(state, storage_writer=writer, planner=SavePlanner(), process_group=pg)
+            dcp.save(
+                state,
+                storage_writer=writer,
+                planner=SavePlanner(),
+                process_group=pg,
+                no_dist=self.world_size == 1,  # the same files, without DCP's collectives
+            )
         relpath = layout.trainer_rank_file(self.rank)
         records = [*writer.records, rank_snap.write_to(store, relpath)]
         store.sync_dir(layout.TRAINER)
@@ -438,7 +444,7 @@ class TrainerCheckpointer:
         sd = self._load_targets(staged.load_optimizer)
         reader = SeamReader(staged.store, staged.expected, staged.cache, seen=staged.seen)
         with _dcp_errors(self.rank):
-            dcp.load(sd, storage_reader=reader)
+            dcp.load(sd, storage_reader=reader, no_dist=self.world_size == 1)
         if MODEL in states:  # DCP filled the flattened model tensors; hand them to the model
             states[MODEL].load_state_dict(sd)
         if not staged.load_optimizer:
