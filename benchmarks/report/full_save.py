@@ -28,7 +28,8 @@ def full_save_analysis(results: dict, p: dict, ref: dict, targets: dict) -> list
             f"a full step it shares {results['machine']['cores']} cores with the "
             f"{ref['actors']} actors' writes (crc32c + copy into the page cache) and the "
             "kernel's writeback. forge_ckpt writes the shards through its own DCP storage "
-            "writer (2 threads per rank, CRC32C while writing, small writes coalesced), so no "
+            "writer (2 threads per rank, CRC32C while writing, small writes coalesced, without "
+            "the zip CRC32 `torch.save` would compute for every record: `dcp/zip_crc.py`), so no "
             "file is read back; what remains is DCP's serialization (`torch.save` per tensor). "
         )
     else:
