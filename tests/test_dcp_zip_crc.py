@@ -5,17 +5,19 @@ from __future__ import annotations
 
 import io
 import threading
+import warnings
 import zipfile
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.utils.serialization import config
 
-from forge_ckpt.dcp import zip_crc
+from forge_ckpt.dcp import storage_io, zip_crc
 from forge_ckpt.dcp.metadata import load_metadata
-from forge_ckpt.dcp.storage_io import SeamWriter
+from forge_ckpt.dcp.storage_io import SavePlanner, SeamWriter
 from forge_ckpt.storage import open_storage
 
 STATE = {f"w{i}": torch.randn(1000 + i) for i in range(4)}
@@ -91,3 +93,44 @@ def test_only_the_writing_thread_is_affected_and_its_setting_comes_back() -> Non
 def test_unset_or_zero_turns_it_off(monkeypatch, value: str) -> None:
     monkeypatch.setenv("FORGE_CKPT_ZIP_CRC32", value)
     assert not zip_crc.kept()
+
+
+def _item_crcs(folder: Path) -> list[int]:
+    """The zip CRC32 fields of every item (tensors and small values) DCP wrote."""
+    md = load_metadata((folder / ".metadata").read_bytes(), str(folder))
+    out = []
+    for info in md.storage_data.values():
+        data = (folder / info.relative_path).read_bytes()[info.offset : info.offset + info.length]
+        with zipfile.ZipFile(io.BytesIO(data)) as z:
+            out += [r.CRC for r in z.infolist() if r.filename.endswith("data.pkl")]
+    return out
+
+
+def test_small_values_saved_without_crc_never_reach_a_save_that_keeps_it(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """SavePlanner keeps the torch.save bytes of small values for the process; made while
+    the CRC was off, they went into every later save: one that keeps the CRC
+    (FORGE_CKPT_ZIP_CRC32=1), and a user's stock FileSystemWriter save (review 33)."""
+    state = {"lr": 1e-3, "betas": (0.9, 0.95), "w": torch.ones(4)}
+    (tmp_path / "ours").mkdir()
+    dcp.save(state, storage_writer=SeamWriter(open_storage(str(tmp_path / "ours"))), no_dist=True,
+             planner=SavePlanner())  # fmt: skip
+    assert not any(_item_crcs(tmp_path / "ours"))
+    stock = FileSystemWriter(tmp_path / "stock", sync_files=False)
+    dcp.save(state, storage_writer=stock, planner=SavePlanner(), no_dist=True)
+    assert all(_item_crcs(tmp_path / "stock"))
+    monkeypatch.setenv("FORGE_CKPT_ZIP_CRC32", "1")
+    (tmp_path / "kept").mkdir()
+    dcp.save(state, storage_writer=SeamWriter(open_storage(str(tmp_path / "kept"))), no_dist=True,
+             planner=SavePlanner())  # fmt: skip
+    assert all(_item_crcs(tmp_path / "kept"))
+
+
+def test_a_one_rank_save_warns_of_nothing(tmp_path: Path) -> None:
+    """`dcp.save(no_dist=True)` warns that torch.distributed is disabled, on every save of a
+    one-rank trainer, whose group is up: under -W error every save failed (review 33)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        storage_io.save(STATE, SeamWriter(open_storage(str(tmp_path))), None, one_rank=True)
+    _loads_with_stock_dcp(tmp_path)

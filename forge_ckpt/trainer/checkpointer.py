@@ -56,7 +56,8 @@ from .. import serialization
 from ..actors import rng
 from ..dcp.metadata import check_complete, load_metadata
 from ..dcp.reader import FileIdentity
-from ..dcp.storage_io import METADATA, SavePlanner, SeamReader, SeamWriter, misfits, verify_local
+from ..dcp.storage_io import METADATA, SeamReader, SeamWriter, misfits, verify_local
+from ..dcp.storage_io import save as dcp_save
 from ..errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
 from ..steps import layout
 from ..storage import FileRecord, Storage, StorageSpec, open_storage
@@ -286,13 +287,7 @@ class TrainerCheckpointer:
         store.makedirs(layout.TRAINER)  # the coordinator made it; a bare DCP user may not
         writer = SeamWriter(store, thread_count=self.write_threads)
         with _dcp_errors(self.rank):
-            dcp.save(
-                state,
-                storage_writer=writer,
-                planner=SavePlanner(),
-                process_group=pg,
-                no_dist=self.world_size == 1,  # the same files, without DCP's collectives
-            )
+            dcp_save(state, writer, pg, one_rank=self.world_size == 1)
         relpath = layout.trainer_rank_file(self.rank)
         records = [*writer.records, rank_snap.write_to(store, relpath)]
         store.sync_dir(layout.TRAINER)
@@ -444,7 +439,7 @@ class TrainerCheckpointer:
         sd = self._load_targets(staged.load_optimizer)
         reader = SeamReader(staged.store, staged.expected, staged.cache, seen=staged.seen)
         with _dcp_errors(self.rank):
-            dcp.load(sd, storage_reader=reader, no_dist=self.world_size == 1)
+            dcp.load(sd, storage_reader=reader)
         if MODEL in states:  # DCP filled the flattened model tensors; hand them to the model
             states[MODEL].load_state_dict(sd)
         if not staged.load_optimizer:
