@@ -11,7 +11,10 @@ The setting is torch's `torch.utils.serialization.config.save.compute_crc32`, wh
 torch keeps per thread (a `ContextVar`): it is turned off only inside the writing thread,
 for the length of one file, so the job's own `torch.save` calls elsewhere are untouched.
 Where torch keeps it process-wide instead, it is left alone. `FORGE_CKPT_ZIP_CRC32=1`
-keeps torch's CRC32 in every record.
+keeps torch's CRC32 in every record. The block must end in the thread it began in (DCP
+opens and closes each file's stream in one `with`, in one thread): the setting is restored
+in the thread that ends it. Python's `zipfile` refuses records without the CRC (`Bad
+CRC-32`); `torch.load` and DCP do not check it.
 """
 
 from __future__ import annotations
@@ -45,8 +48,8 @@ def off() -> Generator[None, None, None]:
         yield
         return
     before = config.save.compute_crc32
-    config.save.compute_crc32 = False
-    try:
+    try:  # set inside the try: an exception raised as it is set still restores it
+        config.save.compute_crc32 = False
         yield
     finally:
         config.save.compute_crc32 = before
