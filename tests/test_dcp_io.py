@@ -62,8 +62,8 @@ def test_equal_values_of_other_kinds_stay_apart(tmp_path: Path) -> None:
 
 
 def test_seam_writer_writes_the_bytes_dcps_writer_writes(tmp_path: Path, monkeypatch) -> None:
-    """With torch's zip CRC32 kept, forge_ckpt's writer (its own per-item stream wrapper,
-    no collectives at one rank) writes the very bytes DCP's FileSystemWriter writes."""
+    """With torch's zip CRC32 kept, forge_ckpt's writer (its own per-item stream wrapper)
+    writes the very bytes DCP's FileSystemWriter writes."""
     monkeypatch.setenv("FORGE_CKPT_ZIP_CRC32", "1")
     state = {**_state(), "big": torch.randn(300, 300)}
     stock, ours = tmp_path / "stock", tmp_path / "ours"

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import io
 import threading
-import warnings
 import zipfile
 from pathlib import Path
 
@@ -15,7 +14,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.utils.serialization import config
 
-from forge_ckpt.dcp import storage_io, zip_crc
+from forge_ckpt.dcp import zip_crc
 from forge_ckpt.dcp.metadata import load_metadata
 from forge_ckpt.dcp.storage_io import SavePlanner, SeamWriter
 from forge_ckpt.storage import open_storage
@@ -125,12 +124,3 @@ def test_small_values_saved_without_crc_never_reach_a_save_that_keeps_it(
     dcp.save(state, storage_writer=SeamWriter(open_storage(str(tmp_path / "kept"))), no_dist=True,
              planner=SavePlanner())  # fmt: skip
     assert all(_item_crcs(tmp_path / "kept"))
-
-
-def test_a_one_rank_save_warns_of_nothing(tmp_path: Path) -> None:
-    """`dcp.save(no_dist=True)` warns that torch.distributed is disabled, on every save of a
-    one-rank trainer, whose group is up: under -W error every save failed (review 33)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        storage_io.save(STATE, SeamWriter(open_storage(str(tmp_path))), None, one_rank=True)
-    _loads_with_stock_dcp(tmp_path)

@@ -28,7 +28,6 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint import filesystem as dcp_filesystem
 from torch.distributed.checkpoint import planner as dcp_planner
@@ -45,11 +44,6 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
-
-try:  # what dcp.save calls after its checks: see save()
-    from torch.distributed.checkpoint.state_dict_saver import _save_state_dict
-except ImportError:  # pragma: no cover - another torch
-    _save_state_dict = None  # type: ignore[assignment]
 
 from ..errors import CheckpointCorruptError
 from ..storage import FileRecord, Storage
@@ -108,13 +102,17 @@ class _NoCloseWriter(io.IOBase):
         self.raw.flush()  # but not close: DCP appends the next item to the same stream
 
 
-class _Transforms(dcp_filesystem._StorageWriterTransforms):
-    """DCP's save-stream transforms with no extensions (the default), without the class
-    made per item; with extensions, DCP's own."""
+class _Transforms:
+    """DCP's save-stream transforms (`FileSystemWriter.transforms`) without the class made
+    per item when there are no stream extensions (the default); with extensions, DCP's own."""
+
+    def __init__(self, dcp_transforms: Any) -> None:
+        self._dcp = dcp_transforms
+        self.extensions = dcp_transforms.extensions
 
     def transform_save_stream(self, write_item: WriteItem, raw_stream: Any) -> Any:
         if self.extensions:
-            return super().transform_save_stream(write_item, raw_stream)
+            return self._dcp.transform_save_stream(write_item, raw_stream)
         return _NoCloseWriter(raw_stream), []
 
 
@@ -242,7 +240,7 @@ class SeamWriter(FileSystemWriter):
         # sync_files=False: our storage writer makes each file durable itself (DCP would
         # otherwise fall back to a machine-wide os.sync() for a stream without a fileno).
         super().__init__("", sync_files=False, thread_count=thread_count)
-        self.transforms = _Transforms(self.transforms.extensions)
+        self.transforms = _Transforms(self.transforms)  # type: ignore[assignment]  # duck-typed
         self.seam = SeamFileSystem(store)
         # DCP types `fs` as its local FileSystem but only uses the FileSystemBase interface.
         self.fs = self.seam  # type: ignore[assignment]
@@ -328,21 +326,6 @@ class SavePlanner(DefaultSavePlanner):
                 _saved_bytes.clear()
             _saved_bytes[key] = data
         return io.BytesIO(data)
-
-
-def save(state: dict[str, Any], writer: SeamWriter, pg: Any, one_rank: bool) -> None:
-    """`dcp.save` of a resolved state dict (no Stateful values left) through `writer`. At one
-    rank, without DCP's plan collectives (a third of a small trainer's save): the files are
-    those of `dcp.save(no_dist=True)`, but without its warning that torch.distributed is
-    disabled (it is not; under `-W error` that warning failed every save). The call below
-    is what `dcp.save` makes after that warning; without it (another torch), the save goes
-    through the collectives as any rank count does."""
-    if one_rank and _save_state_dict is not None:
-        _save_state_dict(
-            state_dict=state, storage_writer=writer, planner=SavePlanner(), no_dist=True
-        )
-        return
-    dcp.save(state, storage_writer=writer, planner=SavePlanner(), process_group=pg)
 
 
 class SeamReader(FileSystemReader):

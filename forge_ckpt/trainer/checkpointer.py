@@ -56,8 +56,7 @@ from .. import serialization
 from ..actors import rng
 from ..dcp.metadata import check_complete, load_metadata
 from ..dcp.reader import FileIdentity
-from ..dcp.storage_io import METADATA, SeamReader, SeamWriter, misfits, verify_local
-from ..dcp.storage_io import save as dcp_save
+from ..dcp.storage_io import METADATA, SavePlanner, SeamReader, SeamWriter, misfits, verify_local
 from ..errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
 from ..steps import layout
 from ..storage import FileRecord, Storage, StorageSpec, open_storage
@@ -287,7 +286,7 @@ class TrainerCheckpointer:
         store.makedirs(layout.TRAINER)  # the coordinator made it; a bare DCP user may not
         writer = SeamWriter(store, thread_count=self.write_threads)
         with _dcp_errors(self.rank):
-            dcp_save(state, writer, pg, one_rank=self.world_size == 1)
+            dcp.save(state, storage_writer=writer, planner=SavePlanner(), process_group=pg)
         relpath = layout.trainer_rank_file(self.rank)
         records = [*writer.records, rank_snap.write_to(store, relpath)]
         store.sync_dir(layout.TRAINER)
