@@ -305,6 +305,8 @@ def _run_all(args: argparse.Namespace, results: dict[str, Any]) -> None:
     finally:
         ray.shutdown()
     if "storage" in args.parts:
+        waited = contention.settle()
+        log.info("storage part: waited %.0fs for the Ray parts' load to settle", waited)
         storage = _storage(args, results["command"], results["cache_method"])
         if isinstance(storage, str):
             results["errors"].append(storage)
