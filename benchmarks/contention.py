@@ -11,6 +11,7 @@ cores or any reading exceeded 1.5x the cores (more than this benchmark's own thr
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 
@@ -56,8 +57,6 @@ def settle(max_s: float = 240.0) -> float:
     """Wait (at most `max_s`) until the 1-minute load average is under half the cores: a
     part that follows another (the storage part after the Ray parts' 64 actors) otherwise
     starts on the last part's load and is flagged for it. Returns the seconds waited."""
-    import time
-
     cores, start = os.cpu_count() or 1, time.monotonic()
     while os.getloadavg()[0] > 0.5 * cores and time.monotonic() - start < max_s:
         time.sleep(2.0)  # a benchmark's own pause between parts, not a test's wait

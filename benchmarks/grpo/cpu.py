@@ -14,14 +14,11 @@ from collections import Counter
 
 HZ = os.sysconf("SC_CLK_TCK")
 KINDS = (  # (kind, what its name or command line contains), first match wins
-    ("memory holders", "ray::Holder"),
-    ("trainer", "ray::Trainer"),
-    ("Ray (raylets, GCS, workers idle)", "raylet"),
-    ("Ray (raylets, GCS, workers idle)", "gcs_server"),
-    ("Ray (raylets, GCS, workers idle)", "ray::IDLE"),
-    ("Ray (raylets, GCS, workers idle)", "/ray/"),
-    ("other actors (data, policy, replay, reward)", "ray::"),
-    ("kernel (writeback, I/O)", "kworker"),
+    ("memory holders", ("ray::Holder",)),
+    ("trainer", ("ray::Trainer",)),
+    ("Ray (raylets, GCS, workers idle)", ("raylet", "gcs_server", "ray::IDLE", "/ray/")),
+    ("other actors (data, policy, replay, reward)", ("ray::",)),
+    ("kernel (writeback, I/O)", ("kworker",)),
 )
 
 
@@ -50,8 +47,8 @@ def sample() -> Sample:
 def kind(name: str, driver_pid: int, pid: int) -> str:
     if pid == driver_pid:
         return "driver (the app's main process)"
-    for label, needle in KINDS:
-        if needle in name:
+    for label, needles in KINDS:
+        if any(n in name for n in needles):
             return label
     return "other"
 

@@ -140,7 +140,8 @@ def _cpu_table(res: dict[str, Any]) -> list[str]:
     out = [
         f"CPU time per step, each process kind, between the app's first and last progress "
         f"lines but one (steps 10 to {res['steps'] - 10}: Ray starting the actors and the "
-        "holders, and the last step's durable save, are left out), from `/proc/<pid>/stat` (`benchmarks/grpo/cpu.py`); {res['cpus']} "
+        "holders, and the last step's durable save, are left out), from `/proc/<pid>/stat` "
+        f"(`benchmarks/grpo/cpu.py`); {res['cpus']} "
         "cores give 2000 CPU ms per second.",
         "",
         head,
