@@ -12,6 +12,9 @@ the response back until the server closes. Faults:
 - `drop_reply(pattern, method, n)`: the next n matching requests reach the server (they are
   applied) and their reply is thrown away: the client sees the connection closed, as when a
   reply is lost on the network, and retries;
+- `cut_reply(pattern, method, after, n)`: the next n matching requests get only the first
+  `after` bytes of their reply (head included), then the connection closes: a body cut off
+  mid-transfer;
 - `hang(pattern, method)`: a black hole; matching requests are read and never answered until
   the client gives up (or `clear()` / `close()`).
 
@@ -38,8 +41,9 @@ _HOP_HEADERS = {"connection", "keep-alive", "proxy-connection"}
 
 
 class _Rule:
-    """A fault for the requests that match: `action` ("fail", "drop_reply" or "hang") for the
-    next `left` of them (None: all); `failure` is the (status, code, message) of "fail"."""
+    """A fault for the requests that match: `action` ("fail", "drop_reply", "cut" or "hang")
+    for the next `left` of them (None: all); `failure` is the (status, code, message) of
+    "fail"; `after` the reply bytes "cut" lets through."""
 
     def __init__(
         self,
@@ -48,9 +52,10 @@ class _Rule:
         method: str | None,
         left: int | None,
         failure: tuple[int, str, str] | None = None,
+        after: int = 0,
     ) -> None:
         self.action, self.pattern, self.method = action, re.compile(pattern), method
-        self.left, self.failure = left, failure
+        self.left, self.failure, self.after = left, failure, after
 
     def take(self, method: str, target: str) -> bool:
         if self.left == 0 or (self.method is not None and self.method != method):
@@ -132,10 +137,15 @@ def _error_response(method: str, path: str, status: int, code: str, message: str
     return head if method == "HEAD" else head + body
 
 
-def _pump(src: socket.socket, dst: socket.socket) -> None:
+def _pump(src: socket.socket, dst: socket.socket, limit: int | None = None) -> None:
+    """Copy until `src` closes (or `limit` bytes have passed)."""
+    sent = 0
     try:
-        while data := src.recv(65536):
+        while (limit is None or sent < limit) and (data := src.recv(65536)):
+            if limit is not None:
+                data = data[: limit - sent]
             dst.sendall(data)
+            sent += len(data)
     except OSError:
         pass
 
@@ -197,6 +207,12 @@ class FaultProxy:
         their reply is lost: the client sees the connection closed without an answer."""
         with self._lock:
             self._rules.append(_Rule("drop_reply", pattern, method, n))
+
+    def cut_reply(self, pattern: str, method: str | None, after: int, n: int = 1) -> None:
+        """The next `n` matching requests get the first `after` bytes of their reply, then
+        the connection closes (a body cut off mid-transfer)."""
+        with self._lock:
+            self._rules.append(_Rule("cut", pattern, method, n, after=after))
 
     def hang(self, pattern: str = "", method: str | None = None) -> None:
         """Black hole: matching requests are read and never answered, until `clear()`."""
@@ -335,8 +351,8 @@ class FaultProxy:
             upstream.sendall(head + bytes(reader.buf))
             pump = threading.Thread(target=_pump, args=(client, upstream), daemon=True)
             pump.start()  # the body (and nothing after it: the response closes the connection)
-            if rule is None:
-                _pump(upstream, client)
+            if rule is None or rule.action == "cut":
+                _pump(upstream, client, None if rule is None else rule.after)
                 return
             while upstream.recv(65536):  # the server applied it; its reply goes nowhere
                 pass

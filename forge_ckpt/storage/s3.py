@@ -23,15 +23,19 @@ from typing import Any
 from ..errors import CheckpointCorruptError
 from .base import (
     AlreadyExistsError,
+    Checksums,
     FileRecord,
     PreconditionFailedError,
     Storage,
     StorageError,
     StorageSpec,
     before_delete,
+    check_record,
+    expected_algo,
     fault,
     join,
 )
+from .s3_errors import call_bound_s, reply_size, translate
 from .s3_writer import S3Writer, _wait_all
 
 __all__ = ["S3Storage", "S3Writer", "call_bound_s", "parse_url"]
@@ -54,9 +58,6 @@ OPTIONS = {
 MULTIPART_COPY_THRESHOLD = 5 * 1024**3
 _MAX_PARTS = 10_000  # S3's limit on the parts of one upload
 UPLOADS_PAGE = 1000  # uploads per ListMultipartUploads page (S3's maximum)
-# botocore's backoff before retry n (1-based) is at most min(2 ** (n - 1), 20) s, plus up to 5 s
-# more when the server sends x-amz-retry-after.
-_BACKOFF_MAX_S, _RETRY_AFTER_MAX_S = 20.0, 5.0
 _CLIENT_KEYS = ("endpoint_url", "region_name", "aws_access_key_id", "aws_secret_access_key")
 _NOT_CLIENT = ("digest",)
 _clients: dict[Any, Any] = {}
@@ -85,17 +86,6 @@ def _client(opts: dict[str, Any]) -> Any:
                 kwargs["aws_session_token"] = opts["aws_session_token"]
             _clients[key] = session.client("s3", config=conf, **kwargs)
         return _clients[key]
-
-
-def call_bound_s(opts: dict[str, Any]) -> float:
-    """The longest one S3 request with a small body and reply (the lease, a manifest, a
-    marker, a listing) can block, retries included: a try waits at most `connect_timeout_s`
-    to connect and `read_timeout_s` for each read or write on the connection, and botocore's
-    backoff between tries is capped. A large body is bounded per read or write, not in all."""
-    tries = max(int(opts["max_attempts"]), 1)
-    per_try = float(opts["connect_timeout_s"]) + float(opts["read_timeout_s"])
-    backoff = sum(min(2.0**n, _BACKOFF_MAX_S) + _RETRY_AFTER_MAX_S for n in range(tries - 1))
-    return tries * per_try + backoff
 
 
 def parse_url(url: str) -> tuple[str, str]:
@@ -149,7 +139,7 @@ class S3Storage(Storage):
         try:
             return fn(Bucket=self.bucket, **kw)
         except Exception as e:  # botocore raises many unrelated types
-            raise _translate(e, what, self.where(path), self.opts) from None
+            raise translate(e, what, self.where(path), self.opts) from None
 
     # ---- writing ---------------------------------------------------------------------------
     def writer(self, path: str, exclusive: bool = False) -> S3Writer:
@@ -212,32 +202,94 @@ class S3Storage(Storage):
             return first
         buf = bytearray(end - start)
         buf[: len(first)] = first
-        ranges = [
-            (o, min(o + self.part_size, end))
-            for o in range(start + len(first), end, self.part_size)
-        ]
-        _wait_all([self.pool.submit(self._get_into, path, buf, start, a, b) for a, b in ranges])
+        try:
+            self._fill(path, memoryview(buf), start, start + len(first), total, None)
+        except _OtherSize:
+            raise CheckpointCorruptError(self.where(path), "object changed while read") from None
         return buf
+
+    def read_verified(self, path: str, expected: FileRecord | None = None) -> bytearray:
+        """With a record, its size is known: every part is asked for at once, each read
+        straight into the buffer, and the checksum runs over the parts in order as they
+        arrive, overlapping the download of the later ones."""
+        if expected is None or expected.size <= self.part_size:
+            return super().read_verified(path, expected)
+        buf = bytearray(expected.size)
+        sums = Checksums(expected_algo(expected))
+        try:
+            self._fill(path, memoryview(buf), 0, 0, expected.size, sums)
+        except FileNotFoundError:
+            raise CheckpointCorruptError(self.where(path), "file is missing") from None
+        except _OtherSize:  # the generic path names the size it found
+            return super().read_verified(path, expected)
+        check_record(self.where(path), sums.size, sums.crc, expected, sums.record(path))
+        return buf
+
+    def _fill(
+        self, path: str, view: memoryview, base: int, a: int, total: int, sums: Checksums | None
+    ) -> None:
+        """Bytes [a, base + len(view)) of an object of `total` bytes into `view` (which holds
+        the object from `base`), parts in parallel; `sums` takes every byte of `view`, in order.
+        No part is still being written into `view` once this returns or raises."""
+        end = base + len(view)
+        ranges = [(o, min(o + self.part_size, end)) for o in range(a, end, self.part_size)]
+        futures = [
+            self.pool.submit(self._get_into, path, view, base, lo, hi, total) for lo, hi in ranges
+        ]
+        try:
+            if sums is not None and a > base:
+                sums.update(view[: a - base])
+            for (lo, hi), f in zip(ranges, futures, strict=True):
+                f.result()
+                if sums is not None:
+                    sums.update(view[lo - base : hi - base])
+        finally:
+            for f in futures:
+                f.cancel()
+            wait(futures)
 
     def _get(self, path: str, a: int, b: int) -> tuple[bytearray, int]:
         """Bytes [a, b) (fewer at the end of the object) and the object's size."""
+        r = self._get_range(path, a, b)
+        if r is None:  # an empty object, or a start past its end
+            return bytearray(), self.size(path) or 0
         try:
-            r = self._call("read", path, self.client.get_object, Key=self.key(path),
-                           Range=f"bytes={a}-{b - 1}")  # fmt: skip
-        except StorageError as e:
-            if "InvalidRange" in str(e):  # an empty object, or a start past its end
-                return bytearray(), self.size(path) or 0
-            raise
-        data = bytearray(r["Body"].read())
-        content_range = r.get("ContentRange")  # absent when a server ignores the Range
-        total = int(str(content_range).rsplit("/", 1)[-1]) if content_range else a + len(data)
+            data = bytearray(r["Body"].read())
+        except Exception as e:  # the connection failed or timed out mid-body
+            raise translate(e, "read", self.where(path), self.opts) from None
+        total = reply_size(r, self.where(path)) or a + len(
+            data
+        )  # no Content-Range: the server ignored the Range
         return data, total
 
-    def _get_into(self, path: str, buf: bytearray, base: int, a: int, b: int) -> None:
-        data, _ = self._get(path, a, b)
-        if len(data) != b - a:
+    def _get_range(self, path: str, a: int, b: int) -> dict[str, Any] | None:
+        try:
+            return self._call("read", path, self.client.get_object, Key=self.key(path),
+                              Range=f"bytes={a}-{b - 1}")  # fmt: skip
+        except StorageError as e:
+            if "InvalidRange" in str(e):
+                return None
+            raise
+
+    def _get_into(self, path: str, view: memoryview, base: int, a: int, b: int, total: int) -> None:
+        """Bytes [a, b) of an object of `total` bytes, read from the socket into `view`."""
+        r = self._get_range(path, a, b)
+        if r is None or reply_size(r, self.where(path)) != total:
+            raise _OtherSize(path)
+        out, got = view[a - base : b - base], 0
+        body = r["Body"]
+        try:
+            while got < b - a:
+                n = body.readinto(out[got:])
+                if not n:
+                    break
+                got += n
+        except Exception as e:  # the connection failed or timed out mid-body
+            raise translate(e, "read", self.where(path), self.opts) from None
+        finally:
+            body.close()
+        if got != b - a:
             raise CheckpointCorruptError(self.where(path), f"object changed while read at byte {a}")
-        buf[a - base : b - base] = data
 
     def size(self, path: str) -> int | None:
         try:
@@ -253,7 +305,7 @@ class S3Storage(Storage):
         try:
             yield from self.client.get_paginator("list_objects_v2").paginate(**kw)
         except Exception as e:
-            raise _translate(e, "list", self.where(prefix), self.opts) from None
+            raise translate(e, "list", self.where(prefix), self.opts) from None
 
     def list(self, prefix: str = "") -> builtins.list[str]:
         # Derived from the objects themselves, not from common prefixes: some S3-compatible
@@ -314,7 +366,7 @@ class S3Storage(Storage):
         try:
             return [u for page in pages for u in page.get("Uploads", [])]
         except Exception as e:
-            raise _translate(e, "list uploads", self.where(prefix), self.opts) from None
+            raise translate(e, "list uploads", self.where(prefix), self.opts) from None
 
     def _abort(self, prefix: str, key: str, upload_id: str) -> None:
         try:
@@ -396,50 +448,6 @@ def _ours_at_root(key: str) -> bool:
     return parse_step(top) is not None or top == QUARANTINE
 
 
-def _translate(e: Exception, what: str, where: str, opts: dict[str, Any]) -> Exception:
-    """A clear error naming the object and what to do; credentials never appear."""
-    from botocore import exceptions as bx
-
-    endpoint = opts.get("endpoint_url")
-    at = f" at {endpoint}" if endpoint else ""
-    if isinstance(e, bx.ClientError):
-        return _translate_reply(e, what, where, at)
-    if isinstance(e, bx.NoCredentialsError):
-        return StorageError(errno.EACCES, f"{where}: no S3 credentials found: set AWS_* or options")
-    if isinstance(e, (bx.ReadTimeoutError, bx.ConnectTimeoutError)):
-        name = "read_timeout_s" if isinstance(e, bx.ReadTimeoutError) else "connect_timeout_s"
-        return StorageError(
-            errno.ETIMEDOUT,
-            f"{where}: {what} timed out: the S3 endpoint{at} did not answer within {name}="
-            f"{opts[name]} s, max_attempts={opts['max_attempts']} tries (at most "
-            f"{call_bound_s(opts):.0f} s in all); check the endpoint, or raise storage_options "
-            f"{name} for a slow one (and lease_ttl_s above the bound)",
-        )
-    if isinstance(e, bx.EndpointConnectionError) or "Connect" in type(e).__name__:
-        return StorageError(
-            errno.EHOSTUNREACH, f"{where}: cannot reach the S3 endpoint{at} ({type(e).__name__})"
-        )
-    if isinstance(e, (OSError, CheckpointCorruptError)):
-        return e
-    return StorageError(errno.EIO, f"{where}: {what} failed: {type(e).__name__}: {e}")
-
-
-def _translate_reply(e: Any, what: str, where: str, at: str) -> Exception:
-    """The error for a reply of the server (botocore's ClientError)."""
-    code = str(e.response.get("Error", {}).get("Code", ""))
-    status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-    if code in ("NoSuchKey", "NoSuchUpload", "404", "NotFound"):
-        return FileNotFoundError(errno.ENOENT, f"{where} does not exist")
-    if code in ("PreconditionFailed", "ConditionalRequestConflict") or status == 412:
-        return PreconditionFailedError(errno.ESTALE, f"{where}: {what} refused: {code}")
-    if code == "NoSuchBucket":
-        return StorageError(
-            errno.ENOENT, f"{where}: the bucket does not exist{at}; create it first"
-        )
-    if code in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "403"):
-        return StorageError(
-            errno.EACCES,
-            f"{where}: {what} refused ({code}){at}: check the credentials "
-            "(AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or storage_options) and permissions",
-        )
-    return StorageError(errno.EIO, f"{where}: {what} failed after retries: {code} ({status})")
+class _OtherSize(Exception):
+    """The object is not of the size its record or first part said (replaced, or a server
+    that ignores ranges): the read starts over the generic way."""
