@@ -61,3 +61,13 @@ def settle(max_s: float = 240.0) -> float:
     while os.getloadavg()[0] > 0.5 * cores and time.monotonic() - start < max_s:
         time.sleep(2.0)  # a benchmark's own pause between parts, not a test's wait
     return time.monotonic() - start
+
+
+def machine_cpu_s() -> float:
+    """CPU-seconds the whole machine has spent busy since boot (every process and the kernel:
+    user, nice, system, irq, softirq, steal; not idle or iowait), from /proc/stat. The delta
+    over a measurement says how much of the cores it kept busy, whichever processes did it."""
+    with open("/proc/stat") as f:
+        fields = f.readline().split()[1:]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in fields[:8])
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")

@@ -252,11 +252,15 @@ class _Out:
     def __init__(self, w: Writer) -> None:
         self.w, self.buf, self.pos = w, bytearray(), 0
 
-    def put(self, data: Any) -> None:
+    def put(self, data: Any, held: bool = False) -> None:
+        """`held`: `data` stays alive and unchanged until the writer closes (Writer.write_held)."""
         n = memoryview(data).nbytes
         if n >= 1 << 20:
             self.flush()
-            self.w.write(data)
+            if held:
+                self.w.write_held(data)
+            else:
+                self.w.write(data)
         else:
             self.buf += data
             if len(self.buf) >= 4 << 20:
@@ -296,7 +300,9 @@ class Snapshot:
             out.put(self._header)
             for off, data in self._blobs:
                 out.pad_to(self._data_start + off)
-                out.put(data)
+                # the snapshot's own copies, or (copy=False) a source nothing changes until
+                # the write ends: a streaming writer may send them without copying
+                out.put(data, held=True)
             out.pad_to(max(out.pos, self._data_start))
             out.flush()
             rec = w.close()

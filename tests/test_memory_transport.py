@@ -86,21 +86,18 @@ def test_a_put_streams_while_the_file_is_written(holder):
     """The holder has the first part before the writer wrote the rest; the record comes last."""
     table, ep = holder
     data = os.urandom(2 * transport.CHUNK)
-    buf = bytearray(len(data))
-    feed = Feed(buf, None)
+    feed = Feed(len(data), None)
     done: list = []
     t = threading.Thread(target=lambda: done.append(transport.put_feed(ep, "s", feed)))
     t.start()
     half = len(data) // 2
-    buf[:half] = data[:half]
-    feed.advance(half)
-    buf[half:] = data[half:]
-    feed.advance(len(data))
+    feed.append(memoryview(data)[:half])
+    feed.append(memoryview(data)[half:])
     feed.finish(record(data))
     t.join()
     assert done == [None] and table.files["s"] == data
 
-    feed = Feed(bytearray(10), None)  # a writer that gives up: the holder keeps nothing
+    feed = Feed(10, None)  # a writer that gives up: the holder keeps nothing
     cut: list = []
     t = threading.Thread(target=lambda: cut.append(pytest.raises(TransportError,
                          transport.put_feed, ep, "gone", feed)))  # fmt: skip

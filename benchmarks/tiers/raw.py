@@ -22,6 +22,8 @@ from typing import Any
 import numpy as np
 import ray
 
+from .. import contention
+
 CHUNK = 8 * 1024**2
 
 
@@ -129,15 +131,20 @@ async def measure(peers: dict[str, Any], nbytes: int) -> dict[str, Any]:
     listening = await asyncio.gather(h.listen.remote(), b.listen.remote())
     addr = {"head": tuple(listening[0]), "node_b": tuple(listening[1])}
     await a.hold.remote(nbytes)
+    cpu0 = contention.machine_cpu_s()
     got = await asyncio.gather(a.send.remote(list(addr.values())),
                                h.receive.remote(nbytes), b.receive.remote(nbytes))  # fmt: skip
+    send_cpu = contention.machine_cpu_s() - cpu0
     await a.release.remote()
     await asyncio.gather(h.hold.remote(nbytes), b.hold.remote(nbytes))
     _, recv1 = await asyncio.gather(h.serve.remote(0, nbytes),
                                     a.fetch.remote([(addr["head"], 0, nbytes)]))  # fmt: skip
     half = nbytes // 2
     parts = [(addr["head"], 0, half), (addr["node_b"], half, nbytes)]
+    cpu0 = contention.machine_cpu_s()
     *_, recv2 = await asyncio.gather(h.serve.remote(0, half), b.serve.remote(half, nbytes),
                                      a.fetch.remote(parts))  # fmt: skip
+    recv2_cpu = contention.machine_cpu_s() - cpu0
     await asyncio.gather(*(p.release.remote() for p in peers.values()))
-    return {"send_s": got[0], "recv1_s": recv1, "recv2_s": recv2, "bytes": nbytes}
+    return {"send_s": got[0], "recv1_s": recv1, "recv2_s": recv2, "bytes": nbytes,
+            "send_cpu_s": send_cpu, "recv2_cpu_s": recv2_cpu}  # fmt: skip

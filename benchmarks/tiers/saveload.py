@@ -34,7 +34,7 @@ import ray
 from forge_ckpt import CheckpointConfig, CheckpointCoordinator
 from forge_ckpt.steps import commit
 
-from .. import disk
+from .. import contention, disk
 from . import raw
 from .actors import Probe, TensorState
 from .env import Env, spawn
@@ -102,15 +102,17 @@ async def one_target(c: Ctx, target: str) -> dict[str, Any]:
     want = await c.actor.fill.remote(c.state_bytes, step)
     await asyncio.to_thread(disk.settle)
     await c.actor.phases.remote()  # reset
-    t0 = time.perf_counter()
+    cpu0, t0 = contention.machine_cpu_s(), time.perf_counter()
     saved = await coord.save(step)
     save_s = time.perf_counter() - t0
+    save_cpu_s = contention.machine_cpu_s() - cpu0
     save_phases = await c.actor.phases.remote()
     await c.actor.drop.remote()
     evicted = await asyncio.to_thread(_evict, c, target)
-    t0 = time.perf_counter()
+    cpu0, t0 = contention.machine_cpu_s(), time.perf_counter()
     loaded = await coord.load()
     load_s = time.perf_counter() - t0
+    load_cpu_s = contention.machine_cpu_s() - cpu0
     load_phases = await c.actor.phases.remote()
     if loaded is None:
         raise VerifyError(f"{target}: load() found no step")
@@ -118,6 +120,7 @@ async def one_target(c: Ctx, target: str) -> dict[str, Any]:
     check(f"{target} step {step} state", await c.actor.digest.remote(), want)
     await _discard(c, target, step)
     return {"save_s": save_s, "load_s": load_s, "bytes": saved.nbytes, "evicted": evicted,
+            "save_cpu_s": save_cpu_s, "load_cpu_s": load_cpu_s,
             "committed": saved.committed, "verified": True,
             "phases": {"save": save_phases, "load": load_phases}}  # fmt: skip
 
@@ -181,6 +184,11 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
         seconds[f"ray_{k}"] = spread(r["ray"][f"{k}_s"] for r in rows)
     for k in ("send", "recv1", "recv2"):
         seconds[f"sock_{k}"] = spread(r["sock"][f"{k}_s"] for r in rows)
+    # Machine CPU-seconds (every process: cluster, actors, holders) during each measurement.
+    cpu = {f"{t}_{op}": spread(r[t][f"{op}_cpu_s"] for r in rows) for t in TARGETS
+           for op in ("save", "load")}  # fmt: skip
+    for k in ("send", "recv2"):
+        cpu[f"sock_{k}"] = spread(r["sock"][f"{k}_cpu_s"] for r in rows)
 
     def speedup(other: str, op: str) -> dict[str, float]:
         return paired(rows, lambda r: r[other][f"{op}_s"] / r["memory"][f"{op}_s"])
@@ -200,6 +208,7 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     )
     return {
         "seconds": seconds,
+        "machine_cpu_s": cpu,
         "ratios": ratios,
         "vs_raw": vs_raw,
         "phases": {t: _phases(rows, t) for t in TARGETS},

@@ -315,7 +315,7 @@ def put(ep: Endpoint, key: str, data: memoryview, record: dict[str, Any]) -> Non
 
 def put_feed(ep: Endpoint, key: str, feed: Feed) -> None:
     """Stream a file to the holder while it is being written (`Feed`)."""
-    _put(ep, key, len(feed.view), feed.algo, feed.parts(), feed.final)
+    _put(ep, key, feed.size, feed.algo, feed.parts(), feed.final)
 
 
 def _algo(record: dict[str, Any]) -> str | None:
@@ -362,18 +362,22 @@ def _exchange_put(
 
 
 class Feed:
-    """A file written into a preallocated buffer of its final size, sent by streams as its
-    bytes come (a save's encoding overlaps its transfer); `cancel()` cuts the streams."""
+    """A file of `size` bytes sent by streams as its parts are written (a save's encoding
+    overlaps its transfer). Each part is a view the writer keeps alive and unchanged until
+    the file is closed or cancelled, so the bytes are sent from where they lie; `cancel()`
+    cuts the streams."""
 
-    def __init__(self, buf: bytearray, algo: str | None) -> None:
-        self.view, self.algo = memoryview(buf), algo
+    def __init__(self, size: int, algo: str | None) -> None:
+        self.size, self.algo = size, algo
+        self.segments: list[memoryview] = []
         self.filled, self.cancelled = 0, False
         self.record: dict[str, Any] | None = None
         self.cond = threading.Condition()
 
-    def advance(self, filled: int) -> None:
+    def append(self, part: memoryview) -> None:
         with self.cond:
-            self.filled = filled
+            self.segments.append(part)
+            self.filled += part.nbytes
             self.cond.notify_all()
 
     def finish(self, record: dict[str, Any]) -> None:
@@ -387,16 +391,16 @@ class Feed:
             self.cond.notify_all()
 
     def parts(self) -> Iterator[memoryview]:
-        sent, n = 0, len(self.view)
-        while sent < n:
+        i, sent = 0, 0
+        while sent < self.size:
             with self.cond:
-                while self.filled <= sent and not self.cancelled:
+                while len(self.segments) <= i and not self.cancelled:
                     self.cond.wait()
                 if self.cancelled:
                     raise ConnectionError("the writer gave up the file")
-                filled = self.filled
-            yield self.view[sent:filled]
-            sent = filled
+                part = self.segments[i]
+            yield part
+            i, sent = i + 1, sent + part.nbytes
 
     def final(self) -> dict[str, Any]:
         with self.cond:

@@ -1,9 +1,11 @@
-"""A file written to the memory tier. Buffered and checksummed as it passes, as every writer
-does; when its size is announced (`size_hint`, as a `Checkpointable`'s snapshot does), the
-buffer is allocated at its final size and streams to `copies` holders start at once, each
-sending the bytes as they are written: the save's encoding overlaps its transfer. Whatever
-those streams did not place (a holder that died, a file longer than announced, no size
-given) is placed at `close()` from the buffer (`MemoryStorage.put_copies`).
+"""A file written to the memory tier, checksummed as it passes, as every writer does. When its
+size is announced (`size_hint`, as a `Checkpointable`'s snapshot does), streams to `copies`
+holders start at once and send each part as it is written: the save's encoding overlaps its
+transfer. A part the caller keeps alive and unchanged until `close()` (`write_held`: a
+snapshot's tensors) is sent from where it lies, without a copy; other parts are copied once.
+Whatever those streams did not place (a holder that died, a file longer or shorter than
+announced, no size given) is placed at `close()` from one contiguous buffer
+(`MemoryStorage.put_copies`).
 """
 
 from __future__ import annotations
@@ -30,32 +32,35 @@ class MemWriter(Writer):
     def __init__(self, store: MemoryStorage, path: str, exclusive: bool = False) -> None:
         """`exclusive`: a holder that has another file of this name refuses this one."""
         self.store, self.path, self.exclusive = store, path, exclusive
-        self.buf = bytearray()
-        self.pos = 0  # bytes written (into `buf` when streaming)
+        self.buf = bytearray()  # the bytes written, when not streaming
+        self.pos = 0  # bytes written
         self.sums = Checksums(store.digest)
-        self.feed: Feed | None = None
-        self.arr: np.ndarray | None = None  # `buf` as an array while streaming
+        self.feed: Feed | None = None  # the parts written, when streaming
         self.streams: list[tuple[HolderRef, Future]] = []
 
     def size_hint(self, nbytes: int) -> None:
         if nbytes < STREAM_MIN or self.pos or self.feed is not None:
             return
-        self.buf = bytearray(nbytes)
-        self.arr = np.frombuffer(self.buf, dtype=np.uint8)
-        self.feed = Feed(self.buf, self.store.digest)
+        self.feed = Feed(nbytes, self.store.digest)
         self.streams = start_streams(self.store, self.path, self.feed)
 
     def write(self, data: Any) -> None:
+        self._write(data, held=False)
+
+    def write_held(self, data: Any) -> None:
+        self._write(data, held=True)
+
+    def _write(self, data: Any, held: bool) -> None:
         mv = memoryview(data).cast("B")
         self.sums.update(mv)
         end = self.pos + mv.nbytes
-        if self.feed is not None and self.arr is not None:
-            if end <= len(self.buf):
-                # numpy copies without the GIL (a bytearray slice holds it): the streams'
-                # sendall calls go on meanwhile (measured: 3-4x faster together)
-                self.arr[self.pos : end] = np.frombuffer(mv, dtype=np.uint8)
+        if self.feed is not None:
+            if end <= self.feed.size:
+                # numpy copies without the GIL (a bytes() copy holds it): the streams'
+                # sendall calls go on meanwhile
+                part = mv if held else memoryview(np.frombuffer(mv, dtype=np.uint8).copy())
+                self.feed.append(part)
                 self.pos = end
-                self.feed.advance(end)
                 return
             self._stop_streams()  # longer than announced: buffered, placed at close
         self.buf += mv
@@ -64,32 +69,47 @@ class MemWriter(Writer):
     def _stop_streams(self) -> None:
         """Cut the streams (holders drop what they got) and keep what was written."""
         assert self.feed is not None
+        self._end_feed()
+        self.buf = self._joined()
+        self.feed = None
+
+    def _end_feed(self) -> None:
+        """Cancel the feed and wait until no stream still sends from its parts."""
+        assert self.feed is not None
         self.feed.cancel()
         for _, fut in self.streams:
             fut.exception()  # wait for it to end
-        self.feed.view.release()
-        self.feed, self.streams, self.arr = None, [], None
-        try:
-            del self.buf[self.pos :]
-        except BufferError:  # a stream's slice of the buffer still alive
-            self.buf = bytearray(memoryview(self.buf)[: self.pos])
+        self.streams = []
+
+    def _joined(self) -> bytearray:
+        """The parts streamed so far, as one buffer (only when a copy must be placed again)."""
+        out, at = bytearray(self.pos), 0
+        for part in self.feed.segments if self.feed is not None else ():
+            out[at : at + part.nbytes] = part
+            at += part.nbytes
+        return out
 
     def close(self) -> FileRecord:
         record = self.sums.record(self.path)
         placed: list[str] = []
         if self.feed is not None:
-            if self.pos == len(self.buf):
+            if self.pos == self.feed.size:
                 self.feed.finish(transport.record_dict(record, self.exclusive, self.store.token))
                 placed = end_streams(self.streams)
+                self.streams = []
+                # every copy streamed: nothing to place again, no contiguous copy made
+                self.buf = self._joined() if len(placed) < self.store.copies else bytearray()
+                self.feed = None
             else:
-                self._stop_streams()
-        data, self.buf = memoryview(self.buf)[: self.pos], bytearray()
+                self._stop_streams()  # shorter than announced
+        data, self.buf = memoryview(self.buf)[: len(self.buf)], bytearray()
         self.store.put_copies(self.path, data, record, placed, self.exclusive)
         return record
 
     def abort(self) -> None:
         if self.feed is not None:
-            self.feed.cancel()
+            self._end_feed()
+            self.feed = None
         self.buf = bytearray()
 
 

@@ -232,6 +232,11 @@ class Writer(ABC):
     @abstractmethod
     def write(self, data: Any) -> None: ...
 
+    def write_held(self, data: Any) -> None:
+        """`write`, for bytes the caller keeps alive and unchanged until `close()` returns (a
+        snapshot's tensors): a writer that sends them later may keep a view, not a copy."""
+        self.write(data)
+
     def size_hint(self, nbytes: int) -> None:
         """The file will be `nbytes` long (a writer may allocate it, or start sending)."""
         return None
