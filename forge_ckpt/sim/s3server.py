@@ -106,19 +106,28 @@ class Client:
         if "IfMatch" in kw and (cur is None or cur[1] != kw["IfMatch"]):
             raise _error("PreconditionFailed", 412, op)
 
-    def get_object(self, Bucket: str, Key: str, Range: str | None = None) -> dict:  # noqa: N803
+    def get_object(
+        self,
+        Bucket: str,
+        Key: str,
+        Range: str | None = None,
+        IfMatch: str | None = None,  # noqa: N803
+    ) -> dict:
         self._pass("get_object", Key, False)
         cur = self.b.objects.get(Key)
         if cur is None:
             raise _error("NoSuchKey", 404, "GetObject")
         data, etag = cur
-        out: dict[str, Any] = {"ETag": etag, "ContentLength": len(data)}
+        if IfMatch is not None and IfMatch != etag:
+            raise _error("PreconditionFailed", 412, "GetObject")
+        out: dict[str, Any] = {"ETag": etag}
         if Range is not None:
             a, b = (int(x) for x in Range.removeprefix("bytes=").split("-"))
             if a >= len(data):
                 raise _error("InvalidRange", 416, "GetObject")
             out["ContentRange"] = f"bytes {a}-{min(b, len(data) - 1)}/{len(data)}"
             data = data[a : b + 1]
+        out["ContentLength"] = len(data)
         out["Body"] = io.BytesIO(data)
         return out
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import builtins
 import errno
+import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
@@ -63,6 +64,18 @@ _NOT_CLIENT = ("digest",)
 _clients: dict[Any, Any] = {}
 _pools: dict[int, ThreadPoolExecutor] = {}
 _clients_lock = threading.Lock()
+
+
+def _forget_after_fork() -> None:
+    """A forked child inherits the pools without their threads (a read would wait forever)
+    and the clients' connections to the parent's sockets: it makes its own."""
+    global _clients_lock
+    _clients.clear()
+    _pools.clear()
+    _clients_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)
 
 
 def _client(opts: dict[str, Any]) -> Any:
@@ -191,19 +204,20 @@ class S3Storage(Storage):
 
     # ---- reading ---------------------------------------------------------------------------
     def read(self, path: str, start: int = 0, end: int | None = None) -> bytearray:
-        # The first part comes with the object's total size (Content-Range): small objects
-        # cost one request, large ones fetch their other parts in parallel.
+        # The first part comes with the object's total size (Content-Range) and ETag: small
+        # objects cost one request; large ones fetch their other parts in parallel, each on
+        # the condition that the object is still the one the first part came from.
         stop = start + self.part_size if end is None else min(end, start + self.part_size)
         if stop <= start:
             return bytearray()
-        first, total = self._get(path, start, stop)
+        first, total, etag = self._get(path, start, stop)
         end = total if end is None else min(end, total)
         if start + len(first) >= end:
             return first
         buf = bytearray(end - start)
         buf[: len(first)] = first
         try:
-            self._fill(path, memoryview(buf), start, start + len(first), total, None)
+            self._fill(path, memoryview(buf), start, start + len(first), total, None, etag)
         except _OtherSize:
             raise CheckpointCorruptError(self.where(path), "object changed while read") from None
         return buf
@@ -217,7 +231,7 @@ class S3Storage(Storage):
         buf = bytearray(expected.size)
         sums = Checksums(expected_algo(expected))
         try:
-            self._fill(path, memoryview(buf), 0, 0, expected.size, sums)
+            self._fill(path, memoryview(buf), 0, 0, expected.size, sums, None)
         except FileNotFoundError:
             raise CheckpointCorruptError(self.where(path), "file is missing") from None
         except _OtherSize:  # the generic path names the size it found
@@ -226,21 +240,31 @@ class S3Storage(Storage):
         return buf
 
     def _fill(
-        self, path: str, view: memoryview, base: int, a: int, total: int, sums: Checksums | None
+        self,
+        path: str,
+        view: memoryview,
+        base: int,
+        a: int,
+        total: int,
+        sums: Checksums | None,
+        etag: str | None,
     ) -> None:
-        """Bytes [a, base + len(view)) of an object of `total` bytes into `view` (which holds
-        the object from `base`), parts in parallel; `sums` takes every byte of `view`, in order.
-        No part is still being written into `view` once this returns or raises."""
+        """Bytes [a, base + len(view)) of an object of `total` bytes (and `etag`, if given)
+        into `view`, which holds the object from `base`; `sums` takes every byte of `view`, in
+        order. The first part is read in the calling thread, the others in the shared pool:
+        a caller waits on its own request first, never only behind other callers' queued
+        parts. No part is still being written into `view` once this returns or raises."""
         end = base + len(view)
         ranges = [(o, min(o + self.part_size, end)) for o in range(a, end, self.part_size)]
-        futures = [
-            self.pool.submit(self._get_into, path, view, base, lo, hi, total) for lo, hi in ranges
-        ]
+        args = (path, view, base, total, etag)
+        futures = [self.pool.submit(self._get_into, *args, lo, hi) for lo, hi in ranges[1:]]
         try:
             if sums is not None and a > base:
                 sums.update(view[: a - base])
-            for (lo, hi), f in zip(ranges, futures, strict=True):
-                f.result()
+            self._get_into(*args, *ranges[0])
+            for i, (lo, hi) in enumerate(ranges):
+                if i:
+                    futures[i - 1].result()
                 if sums is not None:
                     sums.update(view[lo - base : hi - base])
         finally:
@@ -248,32 +272,44 @@ class S3Storage(Storage):
                 f.cancel()
             wait(futures)
 
-    def _get(self, path: str, a: int, b: int) -> tuple[bytearray, int]:
-        """Bytes [a, b) (fewer at the end of the object) and the object's size."""
-        r = self._get_range(path, a, b)
+    def _get(self, path: str, a: int, b: int) -> tuple[bytearray, int, str | None]:
+        """Bytes [a, b) (fewer at the end of the object), the object's size and ETag."""
+        r = self._get_range(path, a, b, None)
         if r is None:  # an empty object, or a start past its end
-            return bytearray(), self.size(path) or 0
+            return bytearray(), self.size(path) or 0, None
         try:
             data = bytearray(r["Body"].read())
         except Exception as e:  # the connection failed or timed out mid-body
             raise translate(e, "read", self.where(path), self.opts) from None
-        total = reply_size(r, self.where(path)) or a + len(
-            data
-        )  # no Content-Range: the server ignored the Range
-        return data, total
+        # no Content-Range: the server ignored the Range and sent the whole object
+        total = reply_size(r, self.where(path)) or a + len(data)
+        return data, total, r.get("ETag")
 
-    def _get_range(self, path: str, a: int, b: int) -> dict[str, Any] | None:
+    def _get_range(self, path: str, a: int, b: int, etag: str | None) -> dict[str, Any] | None:
+        """The reply to a ranged GET (None: the range starts past the end); a reply without
+        Content-Length (a real S3 always sends it: a head cut off) is an error."""
+        cond = {} if etag is None else {"IfMatch": etag}
         try:
-            return self._call("read", path, self.client.get_object, Key=self.key(path),
-                              Range=f"bytes={a}-{b - 1}")  # fmt: skip
+            r = self._call("read", path, self.client.get_object, Key=self.key(path),
+                           Range=f"bytes={a}-{b - 1}", **cond)  # fmt: skip
         except StorageError as e:
             if "InvalidRange" in str(e):
                 return None
             raise
+        if r.get("ContentLength") is None:
+            r["Body"].close()
+            raise StorageError(errno.EIO, f"{self.where(path)}: read failed: a reply without "
+                               "Content-Length; the connection to the S3 endpoint broke?")  # fmt: skip
+        return r
 
-    def _get_into(self, path: str, view: memoryview, base: int, a: int, b: int, total: int) -> None:
+    def _get_into(
+        self, path: str, view: memoryview, base: int, total: int, etag: str | None, a: int, b: int
+    ) -> None:
         """Bytes [a, b) of an object of `total` bytes, read from the socket into `view`."""
-        r = self._get_range(path, a, b)
+        try:
+            r = self._get_range(path, a, b, etag)
+        except PreconditionFailedError:  # replaced since the first part was read
+            raise _OtherSize(path) from None
         if r is None or reply_size(r, self.where(path)) != total:
             raise _OtherSize(path)
         out, got = view[a - base : b - base], 0
