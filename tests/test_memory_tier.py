@@ -349,6 +349,69 @@ def test_held_parts_are_sent_from_where_they_lie(nodes, s3_folder):
         coord.close()
 
 
+def _refuse(holder) -> None:
+    from forge_ckpt.memory.holder import MemoryBudgetError
+
+    def room_for(key: str, size: int) -> None:
+        raise MemoryBudgetError(f"{key}: refused (test)")
+
+    holder.room_for = room_for
+
+
+def _stall(holder) -> None:
+    """The holder's go-ahead waits until `_release` (a busy node, held there by the test)."""
+    import threading
+
+    holder.test_gate = threading.Event()
+    real = type(holder).room_for.__get__(holder)
+
+    def room_for(key: str, size: int) -> None:
+        holder.test_gate.wait(timeout=600)
+        real(key, size)
+
+    holder.room_for = room_for
+
+
+def _release(holder) -> None:
+    holder.test_gate.set()
+    del holder.room_for  # the class's own again
+
+
+def test_a_refused_copy_leaves_no_stream_reading_held_parts(nodes, s3_folder):
+    """Review 35: one holder refuses a streamed file while the other has not yet taken its
+    bytes. `close()` raises the refusal only once no stream still sends from the caller's
+    held parts (it raised at once, and the other stream sent the caller's memory after)."""
+    import numpy as np
+
+    from forge_ckpt.memory.cluster import current
+    from forge_ckpt.memory.placement import preference
+
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # _refuse, _stall to holders
+    coord = CheckpointCoordinator(config(s3_folder.url, s3_folder.options))
+    store = coord.tier.store
+    path = "scratch/refused"
+    first, second = preference(store.key(path), store.holders, current().node_id())[:2]
+    handle = {h: store.handle(h[0]) for h in (first, second)}
+    try:
+        ray.get(handle[first].__ray_call__.remote(_refuse), timeout=60)
+        ray.get(handle[second].__ray_call__.remote(_stall), timeout=60)
+        src = np.frombuffer(os.urandom(8 * 1024**2), dtype=np.uint8)
+        w = store.writer(path)
+        w.size_hint(src.nbytes)
+        streams = list(w.streams)
+        for i in range(0, src.nbytes, 2 << 20):
+            w.write_held(src[i : i + (2 << 20)])
+        with pytest.raises(Exception, match="refused \\(test\\)"):
+            w.close()
+        assert all(fut.done() for _, fut in streams), "a stream still sends from held parts"
+    finally:
+        ray.get(handle[second].__ray_call__.remote(_release), timeout=60)
+        ray.get(handle[first].__ray_call__.remote(lambda h: delattr(h, "room_for")), timeout=60)
+        coord.close()
+    held = [sizes.get(path) for _, sizes in store.on_all("sizes", "scratch/")]
+    assert not any(held), held
+
+
 async def drive(address: str, folder: str, options: dict, out: str, phase: str) -> None:
     """A driver process: "first" saves steps 1-3 then waits to be killed; "resume" loads."""
     ray.init(address=address, logging_level="WARNING", runtime_env={"env_vars": cu.NODE_ENV})

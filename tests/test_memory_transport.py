@@ -107,6 +107,54 @@ def test_a_put_streams_while_the_file_is_written(holder):
     assert cut and "gone" not in table.files
 
 
+def _unread(conn) -> int:
+    """Bytes received on `conn` that nobody read yet."""
+    import fcntl
+    import struct
+    import termios
+
+    return struct.unpack("i", fcntl.ioctl(conn, termios.FIONREAD, b"\0\0\0\0"))[0]
+
+
+def test_cancelling_a_feed_ends_a_send_blocked_on_a_stalled_holder():
+    """A writer that gives up (abort) waits for its streams, which may send from the
+    caller's tensors: a holder that stopped reading must not hold it there until the I/O
+    timeout. The cancel shuts the connection down; the stream ends with a TransportError."""
+    import socket
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    accepted: list = []
+
+    def stalled_holder() -> None:
+        conn, _ = listener.accept()
+        accepted.append(conn)
+        transport.recv_header(conn)
+        transport.send_header(conn, {"ok": True})  # go ahead, then never read a byte
+
+    peer = threading.Thread(target=stalled_holder, daemon=True)
+    peer.start()
+    ep = Endpoint("127.0.0.1", listener.getsockname()[1], "t" * 32)
+    data = memoryview(bytearray(256 * 1024**2))  # far more than the sockets' buffers hold
+    feed = Feed(len(data), None)
+    feed.append(data)
+    ended: list = []
+    stream = threading.Thread(target=lambda: ended.append(
+        pytest.raises(TransportError, transport.put_feed, ep, "stalled", feed)))  # fmt: skip
+    stream.start()
+    peer.join(timeout=60)
+    # the stream is sending, and blocked: bytes wait unread on the holder's side
+    while not (accepted and _unread(accepted[0]) > 0):
+        stream.join(timeout=0.01)
+        assert stream.is_alive(), "the stream ended before it was stalled"
+    feed.cancel()
+    stream.join(timeout=transport.IO_TIMEOUT_S / 2)  # a bound for a hang, never a speed
+    assert not stream.is_alive() and ended, "the stream still waits on the stalled holder"
+    for conn in accepted:
+        conn.close()
+    listener.close()
+    transport._POOL.drop(ep)
+
+
 def test_broken_streams_are_transport_errors(holder):
     table, ep = holder
     with pytest.raises(TransportError, match="wrong token"):

@@ -315,7 +315,7 @@ def put(ep: Endpoint, key: str, data: memoryview, record: dict[str, Any]) -> Non
 
 def put_feed(ep: Endpoint, key: str, feed: Feed) -> None:
     """Stream a file to the holder while it is being written (`Feed`)."""
-    _put(ep, key, feed.size, feed.algo, feed.parts(), feed.final)
+    _put(ep, key, feed.size, feed.algo, feed.parts(), feed.final, feed)
 
 
 def _algo(record: dict[str, Any]) -> str | None:
@@ -330,10 +330,11 @@ def _put(
     algo: str | None,
     parts: Iterable[memoryview],
     record: Callable[[], dict[str, Any]],
+    feed: Feed | None = None,
 ) -> None:
     try:
         refused = _exchange_put(ep, {"op": "put", "token": ep.token, "key": key, "size": size,
-                                     "algo": algo}, parts, record)  # fmt: skip
+                                     "algo": algo}, parts, record, feed)  # fmt: skip
     except TransportError as e:
         if isinstance(e.__cause__, _Refused):
             raise remote_error(e.__cause__.header) from None
@@ -347,17 +348,26 @@ def _exchange_put(
     header: dict[str, Any],
     parts: Iterable[memoryview],
     record: Callable[[], dict[str, Any]],
+    feed: Feed | None = None,
 ) -> dict[str, Any] | None:
-    """header, go-ahead, the bytes, the record, the answer; the holder's refusal or None."""
+    """header, go-ahead, the bytes, the record, the answer; the holder's refusal or None.
+    A `feed` cancelled meanwhile shuts the connection down (a send blocked on a stalled
+    holder ends at once), and a connection it shut never goes back to the pool."""
     with _connection(ep) as sock:
-        send_header(sock, header)
-        go = _answer(sock)
-        if not go["ok"]:
-            raise _Refused(go)  # the bytes are not sent: the connection closes
-        for part in parts:
-            sock.sendall(part)
-        send_header(sock, {"record": record()})
-        done = _answer(sock)
+        if feed is not None:
+            feed.watch(sock)
+        try:
+            send_header(sock, header)
+            go = _answer(sock)
+            if not go["ok"]:
+                raise _Refused(go)  # the bytes are not sent: the connection closes
+            for part in parts:
+                sock.sendall(part)
+            send_header(sock, {"record": record()})
+            done = _answer(sock)
+        finally:
+            if feed is not None and not feed.unwatch(sock):
+                raise ConnectionError("the writer gave up the file")
     return None if done["ok"] else done
 
 
@@ -373,6 +383,23 @@ class Feed:
         self.filled, self.cancelled = 0, False
         self.record: dict[str, Any] | None = None
         self.cond = threading.Condition()
+        self._socks: set[socket.socket] = set()  # the streams' connections, while they send
+
+    def watch(self, sock: socket.socket) -> None:
+        """A stream sends on `sock`: `cancel()` shuts it down (at once, if already cancelled)."""
+        with self.cond:
+            if self.cancelled:
+                _shutdown(sock)
+            else:
+                self._socks.add(sock)
+
+    def unwatch(self, sock: socket.socket) -> bool:
+        """The stream is done with `sock`; False if `cancel()` shut it down."""
+        with self.cond:
+            if sock not in self._socks:
+                return False
+            self._socks.discard(sock)
+            return True
 
     def append(self, part: memoryview) -> None:
         with self.cond:
@@ -388,6 +415,9 @@ class Feed:
     def cancel(self) -> None:
         with self.cond:
             self.cancelled = True
+            for sock in self._socks:  # a sendall blocked on a stalled holder ends now
+                _shutdown(sock)
+            self._socks.clear()
             self.cond.notify_all()
 
     def parts(self) -> Iterator[memoryview]:
@@ -451,3 +481,10 @@ def get(
 def forget(ep: Endpoint) -> None:
     """Close the idle connections to `ep` (its holder went away or moved)."""
     _POOL.drop(ep)
+
+
+def _shutdown(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass  # already closed or reset

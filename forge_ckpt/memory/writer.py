@@ -95,7 +95,12 @@ class MemWriter(Writer):
         if self.feed is not None:
             if self.pos == self.feed.size:
                 self.feed.finish(transport.record_dict(record, self.exclusive, self.store.token))
-                placed = end_streams(self.streams)
+                try:
+                    placed = end_streams(self.streams)
+                except BaseException:  # a holder refused: the other streams may still send
+                    self._end_feed()  # from the held parts; none does once this raises
+                    self.feed = None
+                    raise
                 self.streams = []
                 # every copy streamed: nothing to place again, no contiguous copy made
                 self.buf = self._joined() if len(placed) < self.store.copies else bytearray()
