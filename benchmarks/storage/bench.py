@@ -81,6 +81,10 @@ def s3_forge(c: Ctx, state: sm.State, target: dict, check: bool) -> dict[str, An
     if check:
         sm.check_loaded(state, target)
     c.s3.delete_prefix("")
+    out |= sm.forge_dcp_alone(c.s3, state, target, lambda: disk.drop_cache([c.s3_data], c.cache))
+    if check:
+        sm.check_loaded(state, target)
+    c.s3.delete_prefix("")
     return out
 
 
@@ -116,6 +120,11 @@ def local_forge(c: Ctx, state: sm.State, target: dict, check: bool) -> dict[str,
     out = sm.forge_save(store, state)
     disk.drop_cache([folder], c.cache)
     out |= sm.forge_load(store, state, target)
+    if check:
+        sm.check_loaded(state, target)
+    disk.remove(folder)
+    os.makedirs(folder)
+    out |= sm.forge_dcp_alone(store, state, target, lambda: disk.drop_cache([folder], c.cache))
     if check:
         sm.check_loaded(state, target)
     disk.remove(folder)
