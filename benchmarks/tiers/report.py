@@ -222,9 +222,11 @@ def _limits_memory(p: dict[str, Any], cores: int) -> list[str]:
     recv = min(_med(sec, "sock_recv1"), _med(sec, "sock_recv2")) if send else 0.0
     return [
         f"- **Memory-tier save** ({_med(sec, 'memory_save'):.2f} s): the actor's share is "
-        f"{act:.2f} s: it encodes the state into the writer's buffer (one copy per chunk, "
-        "CRC32C) while two streams send each written part to the holders on the head and "
-        "node_b (`memory/writer.py`; each holder receives into the buffer it keeps, CRC32C as "
+        f"{act:.2f} s: it encodes the state (CRC32C over every byte; the tensors are not "
+        "copied: `Writer.write_held`) while two streams send each part, from the tensors "
+        "themselves, to the holders on the head and node_b (`memory/writer.py`; since "
+        "2026-11-28 16:40, before that every byte was first copied into a file-sized buffer; "
+        "each holder receives into the buffer it keeps, CRC32C as "
         f"the bytes arrive); after the last byte, {close:.2f} s go to the last parts and the "
         f"holders' checks and acks. The raw transport sends the same two copies in {send:.2f} "
         f"s. The driver's share ({_med(sv, 'driver'):.2f} s) is the manifest and COMMIT "
@@ -256,13 +258,13 @@ def _limits_cpu(p: dict[str, Any], cores: int) -> list[str]:
         f"{save_cpu:.2f} CPU-s in {save_s:.2f} s ({save_cpu / save_s / cores:.0%} of {cores} "
         f"cores), the raw send {send_cpu:.2f} CPU-s in {send_s:.2f} s "
         f"({send_cpu / send_s / cores:.0%}). The save does {save_cpu / send_cpu:.1f}x the raw "
-        "send's CPU work for the same two copies: the encoding copy into the writer's buffer "
-        "and the writer's CRC32C, the holders' CRC32C as the bytes arrive, the protocol's "
-        f"calls. Even on all {cores} cores at once that work takes {floor:.2f} s, so on this "
-        f"machine the save's throughput is at most {send_s / floor:.2f}x the raw send's "
-        "(the target is 0.7x). Closing it takes less CPU per byte (sending straight from the "
-        "tensors without the encoding copy; one checksum pass instead of three), or holders "
-        "on their own cores, as on separate machines.",
+        "send's CPU work for the same two copies: the writer's CRC32C, the holders' CRC32C as "
+        "the bytes arrive, the protocol's calls (the parts are sent from the tensors, with no "
+        f"copy in the writer). Even on all {cores} cores at once that work takes {floor:.2f} "
+        f"s, so on this machine the save's throughput is at most {send_s / floor:.2f}x the raw "
+        "send's (the target is 0.7x). What is left to cut is the checksum work (three passes "
+        "over the bytes: the writer's and each holder's), or the holders get cores of their "
+        "own, as on separate machines.",
     ]
 
 
