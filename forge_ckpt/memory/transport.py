@@ -188,8 +188,7 @@ class _Listener(socketserver.ThreadingTCPServer):
         self.server_close()
         with self.guard:
             for sock in self.open:
-                with contextlib.suppress(OSError):
-                    sock.shutdown(socket.SHUT_RDWR)
+                _shutdown(sock)
 
 
 class Server:
@@ -484,7 +483,6 @@ def forget(ep: Endpoint) -> None:
 
 
 def _shutdown(sock: socket.socket) -> None:
-    try:
+    """End a connection's sends and receives now (one already closed or reset is fine)."""
+    with contextlib.suppress(OSError):
         sock.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass  # already closed or reset

@@ -107,7 +107,7 @@ class MemWriter(Writer):
                 self.feed = None
             else:
                 self._stop_streams()  # shorter than announced
-        data, self.buf = memoryview(self.buf)[: len(self.buf)], bytearray()
+        data, self.buf = memoryview(self.buf), bytearray()
         self.store.put_copies(self.path, data, record, placed, self.exclusive)
         return record
 
