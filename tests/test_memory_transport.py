@@ -210,3 +210,24 @@ def test_a_create_only_put_never_replaces_another_file(real_holder, via):
     put(mine)  # a retry of the successor's own put (its reply lost)
     put(stale, exclusive=False)  # what a non-exclusive write (a scratch file) may do
     assert h.files[key] == stale
+
+
+@pytest.mark.parametrize("via", ["stream", "call"])
+def test_bytes_changed_in_flight_are_refused_with_the_savers_advice(real_holder, via):
+    """Review 36: a threaded actor that changed its state while a sync save sent it got the
+    holder's refusal with the advice for a damaged stored file ("run forge-ckpt verify ...
+    load an older step"). The bytes never reached storage: the error names the writer's
+    record and says what the actor did and that the last committed step is unchanged."""
+    h, ep = real_holder
+    sent = bytearray(os.urandom(5000))
+    rec = record(bytes(sent))
+    sent[100] ^= 1  # the actor's state changed after its checksum
+    with pytest.raises(CheckpointCorruptError) as e:
+        if via == "stream":
+            transport.put(ep, "run/step-3/actors/a.msgpack", memoryview(sent), rec)
+        else:
+            h.put("run/step-3/actors/a.msgpack", [bytes(sent)], rec)
+    text = str(e.value)
+    assert "the writer's record says" in text and "changed while it was being saved" in text
+    assert "forge-ckpt verify" not in text and "newest committed step is unchanged" in text
+    assert h.files == {}

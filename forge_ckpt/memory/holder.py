@@ -51,6 +51,15 @@ from .transport import CREATE_ONLY, FENCE, Server
 
 _STEP_RE = re.compile(r"^step-(\d+)(/|$)")
 MAX_CONCURRENCY = 16  # calls a holder serves at once (puts of many writers, reads, a persist)
+# A holder refuses bytes that differ from what their writer checksummed: not a damaged stored
+# file, so not the default advice (verify the step folder, load an older step).
+SENT_CHANGED = (
+    "the bytes sent differ from what the writer checksummed: its state changed while it was "
+    "being saved (an actor must not change the state it returned from `state_dict()` until "
+    "the save ends; hand back copies if another thread keeps changing it), or they were "
+    "damaged on the way. Nothing of the file was kept: the save fails, the newest committed "
+    "step is unchanged, and the next save may be tried"
+)
 MAX_FENCES = 4096  # steps whose attempt a holder remembers (beyond: the longest ago go first)
 Claim = tuple[int, int]  # an opening of the folder: (order, nonce); (0, 0): none
 Token = tuple[int, int, int]  # a writer's (claim order, claim nonce, save attempt; 0: any)
@@ -254,7 +263,8 @@ class Holder:
         then keep them, making room."""
         rec = FileRecord.from_dict(record)
         where = self._at(key)
-        check_record(where, sums.size, f"{sums.crc:08x}", rec, sums.record(key))
+        check_record(where, sums.size, f"{sums.crc:08x}", rec, sums.record(key),
+                     source="the writer's record", hint=SENT_CHANGED)  # fmt: skip
         with self._lock:
             self._admit(where, record.get(FENCE), step_of(key), True)
             old = self.files.get(key)

@@ -170,23 +170,27 @@ def crc32c_of_bytes(data: Any) -> str:
 
 
 def check_record(
-    where: str, size: int, crc: int | str, expected: FileRecord, got: FileRecord | None = None
+    where: str,
+    size: int,
+    crc: int | str,
+    expected: FileRecord,
+    got: FileRecord | None = None,
+    *,
+    source: str = "the manifest",
+    hint: str | None = None,
 ) -> None:
-    """Raise CheckpointCorruptError naming `where` when size, checksum or digest differ."""
+    """Raise CheckpointCorruptError naming `where` when size, checksum or digest differ from
+    the record `source` holds. `hint` replaces the default advice (meant for a stored file)."""
     crc_hex = crc if isinstance(crc, str) else f"{crc:08x}"
+    problem = None
     if expected.digest is not None and got is not None and got.digest != expected.digest:
-        raise CheckpointCorruptError(
-            where, f"{expected.digest.split(':')[0]} digest differs from the manifest's (altered)"
-        )
-    if size != expected.size:
-        raise CheckpointCorruptError(
-            where,
-            f"size is {size} bytes, the manifest says {expected.size} (truncated or replaced)",
-        )
-    if crc_hex != expected.crc32c:
-        raise CheckpointCorruptError(
-            where, f"checksum mismatch: crc32c is {crc_hex}, the manifest says {expected.crc32c}"
-        )
+        problem = f"{expected.digest.split(':')[0]} digest differs from {source}'s (altered)"
+    elif size != expected.size:
+        problem = f"size is {size} bytes, {source} says {expected.size} (truncated or replaced)"
+    elif crc_hex != expected.crc32c:
+        problem = f"checksum mismatch: crc32c is {crc_hex}, {source} says {expected.crc32c}"
+    if problem is not None:
+        raise CheckpointCorruptError(where, problem, hint)
 
 
 def fault(op: str, allow_skip: bool = True) -> bool:
