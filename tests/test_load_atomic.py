@@ -38,6 +38,7 @@ from forge_ckpt import (  # noqa: E402
 )
 from forge_ckpt.actors import rng  # noqa: E402
 from forge_ckpt.coordination import components  # noqa: E402
+from forge_ckpt.coordination.apply import apply_all  # noqa: E402
 from forge_ckpt.steps import layout  # noqa: E402
 from forge_ckpt.trainer.checkpointer import TrainerCheckpointer  # noqa: E402
 
@@ -233,13 +234,13 @@ def _prepared_plan(saved: Saved, keeper: Any, other: Any, step: int):
 
 
 async def test_an_apply_that_fails_names_the_components_applied_and_not(saved):
-    """The coordinator's apply phase is `components.apply_all`: driven here on real units."""
+    """The coordinator's apply phase is `apply.apply_all`: driven here on real units."""
     keeper, other = Keeper.remote(-1), Keeper.remote(-2, boom=True)
     groups, manifest, where = _prepared_plan(saved, keeper, other, 1)
     plan = await components.load_plan(groups, manifest, set(), where, True)
     await asyncio.gather(*(u.prepare(where, recs, True, opts) for u, recs, opts in plan))
     with pytest.raises(CheckpointError) as e:
-        await components.apply_all([u for u, _, _ in plan], 1, 60.0)
+        await apply_all([u for u, _, _ in plan], 1, 60.0)
     msg = str(e.value)
     assert "applied: trainer, keeper" in msg and "not applied: other" in msg, msg
     assert "actor 'other' replica 0: ValueError: replay buffer does not fit" in msg

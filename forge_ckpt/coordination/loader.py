@@ -23,6 +23,7 @@ from ..steps import branch, commit, layout
 from ..steps.signing import Signer
 from ..storage import Storage
 from . import components
+from .apply import apply_all
 from .components import Group
 from .results import LoadResult
 from .timeline import Timeline
@@ -138,7 +139,7 @@ class Loader:
         accepted = (f"{u.name}: {n}" for u, ns in zip(units, notes, strict=True) for n in ns)
         for line in dict.fromkeys(accepted):  # once per component, not per replica
             log.warning("loading despite a difference the component accepts: %s", line)
-        await components.apply_all(units, step, self.config.load_timeout_s)
+        await apply_all(units, step, self.config.load_timeout_s)
         log.info("loaded step %d from %s", step, where.url)
         return LoadResult(step, manifest.extra, where.url, manifest, TIER[in_mem])
 
