@@ -35,7 +35,7 @@ import golden_state  # noqa: E402
 import ray  # noqa: E402
 
 from forge_ckpt import CheckpointConfig, CheckpointCoordinator, spawn_trainer_ranks  # noqa: E402
-from forge_ckpt.serialization import _TORCH_BLOB_DTYPES  # noqa: E402
+from forge_ckpt.serialization.format import _TORCH_BLOB_DTYPES  # noqa: E402
 from forge_ckpt.steps import layout  # noqa: E402
 
 STEP = 3
