@@ -26,7 +26,7 @@ from _held_storage import (
 from forge_ckpt import CheckpointConfig, CheckpointCoordinator
 from forge_ckpt.coordination.runtime import Runtime
 from forge_ckpt.errors import CheckpointError, CheckpointLeaseCorruptError, CheckpointLockedError
-from forge_ckpt.steps import layout
+from forge_ckpt.steps import layout, lease_record
 from forge_ckpt.storage import SCHEMES, StorageSpec
 from forge_ckpt.storage.s3 import S3Storage
 
@@ -307,10 +307,10 @@ async def test_close_never_blocks_behind_a_renewal_in_flight(tmp_path):
     assert await _close_behind_a_held_renewal(coord), "close() blocked behind the renewal"
     lease_file = tmp_path / ".forge_ckpt.lease"
     for _ in range(int(WAIT_S * 100)):  # the release lands once the renewal ends (bounded)
-        if layout.parse_lease(lease_file.read_bytes(), "lease").get("released"):
+        if lease_record.parse_lease(lease_file.read_bytes(), "lease").get("released"):
             break
         await asyncio.sleep(0.01)
-    assert layout.parse_lease(lease_file.read_bytes(), "lease")["released"]
+    assert lease_record.parse_lease(lease_file.read_bytes(), "lease")["released"]
     other = CheckpointCoordinator(held_config(tmp_path, lease_ttl_s=0.3))  # free at once
     other.close()
 

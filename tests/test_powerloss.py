@@ -28,7 +28,7 @@ import torch
 
 from forge_ckpt import Checkpointable, CheckpointConfig, CheckpointCoordinator, spawn_trainer_ranks
 from forge_ckpt.errors import CheckpointLeaseCorruptError
-from forge_ckpt.steps import layout
+from forge_ckpt.steps import layout, lease_record
 
 sys.path.insert(0, os.path.dirname(__file__))
 import _trainer_model  # noqa: E402
@@ -219,13 +219,13 @@ def _reboot(folder: str) -> None:
     path = os.path.join(folder, ".forge_ckpt.lease")
     try:
         with open(path, "rb") as f:
-            holder = layout.parse_lease(f.read(), path)
+            holder = lease_record.parse_lease(f.read(), path)
     except (FileNotFoundError, CheckpointLeaseCorruptError):
         return  # no lease, or a damaged one (fsyncs skipped): the load reports it
     if holder.get("pid_start") is not None:
         holder["pid_start"] = "before-the-power-cut"
         with open(path, "wb") as f:  # sealed again: its CRC32C covers the field changed
-            f.write(layout.seal_lease(holder))
+            f.write(lease_record.seal_lease(holder))
 
 
 def _commit_2_durable(tree: DurableTree, final: DurableTree) -> bool:
@@ -236,7 +236,7 @@ def _commit_2_durable(tree: DurableTree, final: DurableTree) -> bool:
         lease = json.loads(tree.get(LEASE) or b"")
     except ValueError:
         return False
-    record = layout.parse_record(lease) if isinstance(lease, dict) else None
+    record = lease_record.parse_record(lease) if isinstance(lease, dict) else None
     return record is None or (
         2 in record and record[2] == layout.marker_generation(final[COMMIT_2] or b"")
     )

@@ -48,7 +48,7 @@ from typing import Any
 
 from ..errors import CheckpointLeaseCorruptError, CheckpointLockedError
 from ..storage import AlreadyExistsError, PreconditionFailedError, Storage, StorageError
-from . import layout
+from . import layout, lease_record
 from .layout import LEASE
 
 log = logging.getLogger("forge_ckpt")
@@ -164,7 +164,7 @@ class Lease:
 
     def _content(self, generation: int, expires: float, released: bool = False) -> bytes:
         pid = os.getpid()
-        return layout.seal_lease(
+        return lease_record.seal_lease(
             {
                 "owner": self._owner,
                 **(
@@ -192,7 +192,9 @@ class Lease:
             current = self.store.read_tagged(LEASE)
             # A damaged lease is an error, never expired: taking the folder over it would
             # count every COMMIT (a stale writer's too) and drop the fence.
-            holder = layout.parse_lease(current[0], self.store.where(LEASE)) if current else {}
+            holder = (
+                lease_record.parse_lease(current[0], self.store.where(LEASE)) if current else {}
+            )
             if current is not None and _is_live(holder, self.clock(), self.clock_skew_s):
                 raise CheckpointLockedError(
                     f"checkpoint folder {self.store.url} is in use by {_describe(holder)}; "
@@ -200,7 +202,7 @@ class Lease:
                     "expires at the time shown)"
                 )
             gen = _generation(holder) + 1
-            record = layout.parse_record(holder)  # listed after the read: see the docstring
+            record = lease_record.parse_record(holder)  # listed after the read: see the docstring
             self.committed = layout.record_of_markers(self.store) if record is None else record
             sent = self.clock()
             data = self._content(gen, sent + self.ttl_s)
@@ -360,7 +362,7 @@ class Lease:
         current = self.store.read_tagged(LEASE)
         where = self.store.where(LEASE)
         who = (
-            _describe(layout.parse_lease(current[0], where))
+            _describe(lease_record.parse_lease(current[0], where))
             if current
             else "nobody (it was deleted)"
         )

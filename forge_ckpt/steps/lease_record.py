@@ -1,0 +1,48 @@
+"""The lease object's bytes: its fields sealed by a CRC32C, and its commit record (which
+step was committed by which lease generation). Read by layout.py (which markers count) and
+written by lock.py (who holds the folder); one damaged byte reads as a damaged lease."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from ..errors import CheckpointLeaseCorruptError
+from ..storage import crc32c_of_bytes
+
+
+def seal_lease(body: Mapping[str, Any]) -> bytes:
+    """The lease object's bytes: its fields, then the CRC32C of their JSON (one damaged byte
+    must read as a damaged lease, never as another holder, an expiry or a record)."""
+    text = json.dumps(dict(body))
+    return json.dumps({**body, "crc32c": crc32c_of_bytes(text.encode())}).encode()
+
+
+def parse_lease(data: bytes | bytearray, where: str) -> dict[str, Any]:
+    """A lease object's fields; CheckpointLeaseCorruptError if it does not parse, or its
+    CRC32C (written since the lease has one) does not match, or its record is malformed."""
+    try:
+        lease = json.loads(data)
+    except ValueError as e:
+        raise CheckpointLeaseCorruptError(where, f"not JSON: {e}") from None
+    if not isinstance(lease, dict):
+        raise CheckpointLeaseCorruptError(where, "not a JSON object")
+    crc = lease.pop("crc32c", None)
+    if crc is not None and crc != crc32c_of_bytes(json.dumps(lease).encode()):
+        raise CheckpointLeaseCorruptError(where, "its checksum does not match its content")
+    if "committed" in lease and parse_record(lease) is None:
+        raise CheckpointLeaseCorruptError(where, "its commit record is malformed")
+    return lease
+
+
+def parse_record(lease: Mapping[str, Any]) -> dict[int, int | None] | None:
+    """The commit record of a parsed lease (step -> generation of its COMMIT, None: any);
+    None if the lease has none."""
+    record = lease.get("committed")
+    if not isinstance(record, dict):
+        return None
+    try:
+        return {int(k): None if v is None else int(v) for k, v in record.items()}
+    except (TypeError, ValueError):
+        return None
