@@ -176,6 +176,29 @@ class TrainerRank(TrainerMixin):
     def release_background_writes(self) -> None:
         self._gate.set()
 
+    def object_collectives_of_a_save(self, step_dir: str) -> int:
+        """A synchronous save, counting the pickled-object collectives DCP made on the way
+        (its plans and results go through these)."""
+        names = ("gather_object", "scatter_object_list", "broadcast_object_list",
+                 "all_gather_object")  # fmt: skip
+        originals, calls = {n: getattr(dist, n) for n in names}, []
+
+        def counted(name: str) -> Any:
+            def call(*args: Any, **kwargs: Any) -> Any:
+                calls.append(name)
+                return originals[name](*args, **kwargs)
+
+            return call
+
+        for n in names:
+            setattr(dist, n, counted(n))
+        try:
+            self.forge_begin_save(step_dir, "", False)
+        finally:
+            for n in names:
+                setattr(dist, n, originals[n])
+        return len(calls)
+
     def hold_snapshot_copies(self) -> None:
         """Hold every deferred snapshot copy (before it reads anything) until a training
         step waits for it: the step certainly arrives while the copy runs, however busy the

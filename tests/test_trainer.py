@@ -361,6 +361,18 @@ def test_weights_only_load_keeps_the_fresh_optimizer(run1, fresh):
     assert np.isfinite(losses).all()
 
 
+def test_a_one_rank_trainer_saves_without_dcps_collectives(run1, run2, tmp_path):
+    """Over a group of one, DCP's collectives pickle every plan and result through gloo and
+    back for nothing: a quarter of a small trainer's save. A one-rank trainer saves without
+    them (DCP's `no_dist`; the files are the same, as the loads here and stock TorchTitan's
+    show); two ranks still coordinate their plans."""
+    for run, expect_none in ((run1, True), (run2, False)):
+        step_dir = new_step(str(tmp_path / f"world{run.world}"), 90)
+        counts = call(run.ranks, "object_collectives_of_a_save", step_dir)
+        assert (counts == [0]) if expect_none else all(c > 0 for c in counts), counts
+        wait_saved(run.ranks)
+
+
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 @pytest.mark.filterwarnings("ignore:To get the last learning rate")  # TorchTitan's LR load
 def test_stock_torchtitan_loads_our_step(run1, run2):

@@ -23,11 +23,13 @@ import io
 import os
 import pickle
 import threading
+import warnings
 from collections.abc import Generator
 from contextlib import contextmanager
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint import filesystem as dcp_filesystem
 from torch.distributed.checkpoint import planner as dcp_planner
@@ -63,6 +65,22 @@ from .reader import (
 METADATA = ".metadata"
 _DCP_VERSION = getattr(dcp_filesystem, "CURRENT_DCP_VERSION", "1.0.0")  # what DCP's finish sets
 MISFITS_SHOWN = 12  # a changed model can differ in hundreds of tensors: name the first ones
+
+# DCP warns that it "assumes the intent is to save in a single process" whenever it runs
+# without collectives; forge_ckpt does so on purpose, for a trainer of one rank only.
+warnings.filterwarnings(
+    "ignore",
+    message=r"torch\.distributed is disabled, unavailable or uninitialized",
+    category=UserWarning,
+    module=r"torch\.distributed\.checkpoint",
+)
+
+
+def alone(pg: dist.ProcessGroup | None) -> bool:
+    """Whether a DCP call can skip its collectives: a trainer of one rank. Over a group of
+    one, DCP still pickles its plans and results through gloo and back (a quarter of a small
+    trainer's save); `no_dist` writes the same files without them."""
+    return not dist.is_initialized() or dist.get_world_size(pg) == 1
 
 
 class _WriteStream(io.RawIOBase):

@@ -56,7 +56,15 @@ from .. import serialization
 from ..actors import rng
 from ..dcp.metadata import check_complete, load_metadata
 from ..dcp.reader import FileIdentity
-from ..dcp.storage_io import METADATA, SavePlanner, SeamReader, SeamWriter, misfits, verify_local
+from ..dcp.storage_io import (
+    METADATA,
+    SavePlanner,
+    SeamReader,
+    SeamWriter,
+    alone,
+    misfits,
+    verify_local,
+)
 from ..errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
 from ..steps import layout
 from ..storage import FileRecord, Storage, StorageSpec, open_storage
@@ -286,7 +294,8 @@ class TrainerCheckpointer:
         store.makedirs(layout.TRAINER)  # the coordinator made it; a bare DCP user may not
         writer = SeamWriter(store, thread_count=self.write_threads)
         with _dcp_errors(self.rank):
-            dcp.save(state, storage_writer=writer, planner=SavePlanner(), process_group=pg)
+            dcp.save(state, storage_writer=writer, planner=SavePlanner(), process_group=pg,
+                     no_dist=alone(pg))  # fmt: skip
         relpath = layout.trainer_rank_file(self.rank)
         records = [*writer.records, rank_snap.write_to(store, relpath)]
         store.sync_dir(layout.TRAINER)
