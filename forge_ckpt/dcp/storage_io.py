@@ -23,7 +23,6 @@ import io
 import os
 import pickle
 import threading
-import warnings
 from collections.abc import Generator
 from contextlib import contextmanager
 from typing import Any
@@ -66,20 +65,13 @@ METADATA = ".metadata"
 _DCP_VERSION = getattr(dcp_filesystem, "CURRENT_DCP_VERSION", "1.0.0")  # what DCP's finish sets
 MISFITS_SHOWN = 12  # a changed model can differ in hundreds of tensors: name the first ones
 
-# DCP warns that it "assumes the intent is to save in a single process" whenever it runs
-# without collectives; forge_ckpt does so on purpose, for a trainer of one rank only.
-warnings.filterwarnings(
-    "ignore",
-    message=r"torch\.distributed is disabled, unavailable or uninitialized",
-    category=UserWarning,
-    module=r"torch\.distributed\.checkpoint",
-)
-
-
 def alone(pg: dist.ProcessGroup | None) -> bool:
     """Whether a DCP call can skip its collectives: a trainer of one rank. Over a group of
     one, DCP still pickles its plans and results through gloo and back (a quarter of a small
-    trainer's save); `no_dist` writes the same files without them."""
+    trainer's save); `no_dist` writes the same files without them. (DCP then warns once per
+    process that it assumes a single process, which is true. That warning is not filtered:
+    a filter would be process-wide, since DCP's wrapper is the frame it names, and would hide
+    it from a job whose own save forgot `init_process_group` (review 37).)"""
     return not dist.is_initialized() or dist.get_world_size(pg) == 1
 
 
@@ -103,7 +95,7 @@ class _WriteStream(io.RawIOBase):
     def write(self, b: Any) -> int:
         n = memoryview(b).nbytes
         if n < self.SMALL:
-            self._buf += b
+            self._buf += memoryview(b).cast("B")  # bytes, whatever `b` is (an ndarray adds)
             if len(self._buf) >= self.GATHER:
                 self.drain()
         else:
