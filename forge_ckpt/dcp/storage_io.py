@@ -65,6 +65,7 @@ METADATA = ".metadata"
 _DCP_VERSION = getattr(dcp_filesystem, "CURRENT_DCP_VERSION", "1.0.0")  # what DCP's finish sets
 MISFITS_SHOWN = 12  # a changed model can differ in hundreds of tensors: name the first ones
 
+
 def alone(pg: dist.ProcessGroup | None) -> bool:
     """Whether a DCP call can skip its collectives: a trainer of one rank. Over a group of
     one, DCP still pickles its plans and results through gloo and back (a quarter of a small
