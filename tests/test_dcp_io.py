@@ -124,7 +124,7 @@ def test_the_write_stream_takes_any_bytes_like_object() -> None:
     stream.write(b"\x01\x02\x03\x04")
     stream.write(np.array([10, 20, 30, 40], dtype=np.uint8))
     stream.write(np.array([7], dtype=np.uint32))
-    stream.drain()
+    stream.out.flush()
     assert stream.tell() == 12
     assert b"".join(parts) == b"\x01\x02\x03\x04\x0a\x14\x1e\x28" + np.uint32(7).tobytes()
 

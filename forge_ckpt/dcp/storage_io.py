@@ -48,7 +48,7 @@ from torch.futures import Future
 
 from ..errors import CheckpointCorruptError
 from ..storage import FileRecord, Storage
-from ..storage.base import StorageError, check_record
+from ..storage.base import GatheredWrites, StorageError, check_record
 from . import zip_crc
 from .reader import (
     Blob,
@@ -77,42 +77,22 @@ def alone(pg: dist.ProcessGroup | None) -> bool:
 
 
 class _WriteStream(io.RawIOBase):
-    """The file object DCP writes into: forwards to a storage writer, counts for `tell()`.
-
-    `torch.save` writes each item as a zip of many small records (headers, pickle, a small
-    tensor's bytes): a small trainer's save made about 3,000 writes per file, each a storage
-    call with its checksum update and system call. Writes under `SMALL` bytes are gathered
-    and handed on together; larger ones go straight through (after what was gathered)."""
-
-    SMALL = 64 << 10
-    GATHER = 1 << 20
+    """The file object DCP writes into: a storage writer behind `GatheredWrites`, counting
+    for `tell()`. `torch.save` writes each item as a zip of many small records (a small
+    trainer's save made about 3,000 writes per file); a tensor of 64 KiB or more goes
+    straight through."""
 
     def __init__(self, writer: Any) -> None:
-        self._w, self._pos, self._buf = writer, 0, bytearray()
+        self.out = GatheredWrites(writer, small=64 << 10, batch=1 << 20)
 
     def writable(self) -> bool:
         return True
 
     def write(self, b: Any) -> int:
-        n = memoryview(b).nbytes
-        if n < self.SMALL:
-            self._buf += memoryview(b).cast("B")  # bytes, whatever `b` is (an ndarray adds)
-            if len(self._buf) >= self.GATHER:
-                self.drain()
-        else:
-            self.drain()
-            self._w.write(b)
-        self._pos += n
-        return n
-
-    def drain(self) -> None:
-        """Hand on what was gathered (before the writer closes)."""
-        if self._buf:
-            self._w.write(self._buf)
-            self._buf = bytearray()
+        return self.out.write(b)
 
     def tell(self) -> int:
-        return self._pos
+        return self.out.pos
 
 
 class _NoCloseWriter(io.IOBase):
@@ -174,7 +154,7 @@ class SeamFileSystem(FileSystemBase):
                 with self.store.writer(rel, exclusive=True) as w, zip_crc.off():
                     stream = _WriteStream(w)
                     yield stream
-                    stream.drain()
+                    stream.out.flush()  # what was gathered, before the writer closes
                     rec = w.close()
             except BaseException as e:
                 with self._lock:

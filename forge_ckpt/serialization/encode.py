@@ -16,7 +16,8 @@ import torch
 
 from ..actors.immutable import Immutable
 from ..errors import NotSerializableError
-from ..storage import FileRecord, Storage, Writer, open_storage
+from ..storage import FileRecord, Storage, open_storage
+from ..storage.base import GatheredWrites
 from .format import (
     _INT_MAX,
     _INT_MIN,
@@ -198,36 +199,6 @@ class _Encoder:
         self.packer.pack(msgpack.ExtType(code, desc))
 
 
-class _Out:
-    """Coalesces small writes (headers, padding, small blobs) into few large ones."""
-
-    def __init__(self, w: Writer) -> None:
-        self.w, self.buf, self.pos = w, bytearray(), 0
-
-    def put(self, data: Any, held: bool = False) -> None:
-        """`held`: `data` stays alive and unchanged until the writer closes (Writer.write_held)."""
-        n = memoryview(data).nbytes
-        if n >= 1 << 20:
-            self.flush()
-            if held:
-                self.w.write_held(data)
-            else:
-                self.w.write(data)
-        else:
-            self.buf += data
-            if len(self.buf) >= 4 << 20:
-                self.flush()
-        self.pos += n
-
-    def pad_to(self, pos: int) -> None:
-        self.put(bytes(pos - self.pos))
-
-    def flush(self) -> None:
-        if self.buf:
-            self.w.write(self.buf)
-            self.buf = bytearray()
-
-
 class Snapshot:
     """An encoded state held in memory, independent of the source objects (when copy=True)."""
 
@@ -247,15 +218,15 @@ class Snapshot:
         `exclusive` (a step's file): never over a file another writer made (Storage.writer)."""
         with store.writer(relpath, exclusive=exclusive) as w:
             w.size_hint(self.nbytes)
-            out = _Out(w)
-            out.put(MAGIC + struct.pack("<Q", self._header.nbytes))
-            out.put(self._header)
+            out = GatheredWrites(w)
+            out.write(MAGIC + struct.pack("<Q", self._header.nbytes))
+            out.write(self._header)
             for off, data in self._blobs:
-                out.pad_to(self._data_start + off)
+                out.write(bytes(self._data_start + off - out.pos))  # zeros up to the blob
                 # the snapshot's own copies, or (copy=False) a source nothing changes until
                 # the write ends: a streaming writer may send them without copying
-                out.put(data, held=True)
-            out.pad_to(max(out.pos, self._data_start))
+                out.write(data, held=True)
+            out.write(bytes(max(0, self._data_start - out.pos)))
             out.flush()
             rec = w.close()
         if rec.size != self.nbytes:
