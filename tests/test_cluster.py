@@ -27,6 +27,7 @@ import pytest
 import ray
 
 from apps.grpo import chaos
+from apps.grpo.placement import Placement
 from forge_ckpt import (
     CheckpointConfig,
     CheckpointCoordinator,
@@ -174,6 +175,27 @@ def same_run(run_dir: str, ref: str) -> None:
     """Every step line of metrics.jsonl and the final weights equal the reference's, bitwise."""
     assert step_lines(run_dir) == step_lines(ref)
     assert read(os.path.join(run_dir, chaos.WEIGHTS)) == read(os.path.join(ref, chaos.WEIGHTS))
+
+
+def test_spread_deals_actors_over_the_live_nodes_and_skips_a_dead_one(nodes):
+    """`ray.placement=spread` (apps/grpo/placement.py): 3 consecutive actors land on the 3
+    nodes. (Ray's SPREAD put the job's zero-CPU actors on random nodes: all 3 generator
+    replicas of the lost-generator test below sat on the head one run in 27.) A node that dies
+    after it was dealt out does not hold up the actor dealt to it: Ray places it elsewhere."""
+    place, late = Placement({"ray": {"placement": "spread"}}), []
+    first = [cu.Buffer.options(**place()).remote(k) for k in range(3)]
+    assert sorted(map(cu.node_of, first)) == ["head", "node_a", "node_b"]
+    nodes.remove("node_a")  # its id is still in `place`: the next 3 include one dealt to it
+    try:
+        late = [cu.Buffer.options(**place()).remote(k) for k in range(3)]
+        assert sorted(map(cu.node_of, late)) in (
+            ["head", "head", "node_b"],
+            ["head", "node_b", "node_b"],
+        )
+    finally:
+        for a in first + late:
+            ray.kill(a)
+        nodes.restore()
 
 
 @pytest.fixture

@@ -30,8 +30,8 @@ from forge_ckpt import CheckpointCoordinator, spawn_trainer_ranks
 
 from .generator import OWNER, Generator, replica_for
 from .metrics import step_record
+from .placement import Placement
 from .rl import EPISODE_FIELDS, group_advantages
-from .supervisor import placement
 from .task import Vocab, encode_prompts
 
 POLL_S = 0.005  # how often the driver moves finished completions while it waits for a step
@@ -52,24 +52,30 @@ class AsyncJob:
         from .trainer import Trainer
 
         seed, task, model, pol = int(cfg["seed"]), cfg["task"], cfg["model"], cfg["policy"]
-        opts = {"num_cpus": 0, **placement(cfg)}
+        place = Placement(cfg)  # ray.placement: each call places the next actor
+
+        def opts() -> dict[str, Any]:
+            return {"num_cpus": 0, **place()}  # spread: a sliver of a CPU (placement.py)
+
         self.batch, self.group = int(cfg["dataset"]["batch_size"]), int(pol["group_size"])
         self.lag = int(pol["max_policy_lag"])
         self.vocab, self.prompt_width = Vocab(task["alphabet"]), shapes(task)[0]
         n_data = int(cfg["dataset"]["replicas"])
-        data_cls = ray.remote(DatasetActor).options(**opts)
+        data_cls, gen_cls = ray.remote(DatasetActor), ray.remote(Generator)
         self.datasets = [
-            data_cls.remote(seed, task, cfg["dataset"], self.batch, k, n_data)
+            data_cls.options(**opts()).remote(seed, task, cfg["dataset"], self.batch, k, n_data)
             for k in range(n_data)
         ]
-        gen_cls = ray.remote(Generator).options(**opts)
-        replicas = int(pol["replicas"])
-        self.generators = [gen_cls.remote(seed, task, model, pol, j) for j in range(replicas)]
-        self.queue = ray.remote(RolloutQueue).options(**opts).remote(seed, self.batch * self.group)
-        self.reward = ray.remote(RewardActor).options(**opts).remote(seed)
+        self.generators = [  # consecutive: replicas on different nodes where there are enough
+            gen_cls.options(**opts()).remote(seed, task, model, pol, j)
+            for j in range(int(pol["replicas"]))
+        ]
+        queue_cls = ray.remote(RolloutQueue).options(**opts())
+        self.queue = queue_cls.remote(seed, self.batch * self.group)
+        self.reward = ray.remote(RewardActor).options(**opts()).remote(seed)
         trainer_cfg = {**cfg["trainer"], "temperature": pol["temperature"]}
         world = int(cfg["trainer"]["world_size"])
-        trainer_cls = ray.remote(Trainer).options(**opts)
+        trainer_cls = ray.remote(Trainer).options(**opts())  # the ranks share one node
         self.ranks = spawn_trainer_ranks(trainer_cls, world, seed, task, model, trainer_cfg)
         ray.get([r.setup.remote() for r in self.ranks])
 

@@ -50,9 +50,10 @@ from .async_rl import AsyncJob, resume_and_train_async  # noqa: E402
 from .chaos import chaos_hold, chaos_hook  # noqa: E402
 from .config import ConfigError, fingerprint, load_config  # noqa: E402
 from .metrics import EventsLog, MetricsLog, step_record  # noqa: E402
+from .placement import Placement  # noqa: E402
 from .progress import Progress, summary  # noqa: E402
 from .rl import group_advantages  # noqa: E402
-from .supervisor import RecoveryError, Supervisor, placement  # noqa: E402
+from .supervisor import RecoveryError, Supervisor  # noqa: E402
 
 CHECKPOINTS, METRICS, FINAL_WEIGHTS = "checkpoints", "metrics.jsonl", "final_weights.safetensors"
 EVENTS = "events.jsonl"  # forge_ckpt's checkpoint events (apps/grpo/metrics.py EventsLog)
@@ -104,19 +105,23 @@ class Job:
         from .trainer import Trainer
 
         seed, task, model = int(cfg["seed"]), cfg["task"], cfg["model"]
-        opts = {"num_cpus": 0, **placement(cfg)}  # ray.placement: spread over the nodes
+        place = Placement(cfg)  # ray.placement: each call places the next actor
+
+        def opts() -> dict[str, Any]:
+            return {"num_cpus": 0, **place()}  # spread: a sliver of a CPU (placement.py)
+
         batch, replicas = int(cfg["dataset"]["batch_size"]), int(cfg["dataset"]["replicas"])
-        dataset_cls = ray.remote(DatasetActor).options(**opts)
+        dataset_cls = ray.remote(DatasetActor)
         self.datasets = [  # one component; each replica serves batch/replicas prompts a step
-            dataset_cls.remote(seed, task, cfg["dataset"], batch, k, replicas)
+            dataset_cls.options(**opts()).remote(seed, task, cfg["dataset"], batch, k, replicas)
             for k in range(replicas)
         ]
-        self.policy = ray.remote(Policy).options(**opts).remote(seed, task, model, cfg["policy"])
-        self.reward = ray.remote(RewardActor).options(**opts).remote(seed)
-        self.replay = ray.remote(ReplayBuffer).options(**opts).remote(seed, cfg["replay"], task)
+        self.policy = ray.remote(Policy).options(**opts()).remote(seed, task, model, cfg["policy"])
+        self.reward = ray.remote(RewardActor).options(**opts()).remote(seed)
+        self.replay = ray.remote(ReplayBuffer).options(**opts()).remote(seed, cfg["replay"], task)
         trainer_cfg = {**cfg["trainer"], "temperature": cfg["policy"]["temperature"]}
         self.ranks = spawn_trainer_ranks(
-            ray.remote(Trainer).options(**opts),
+            ray.remote(Trainer).options(**opts()),  # the ranks share one node
             int(cfg["trainer"]["world_size"]),
             seed,
             task,

@@ -53,17 +53,6 @@ class RecoveryConfig:
         return cls(int(rec.get("max_restarts", 3)), float(rec.get("wait_s", 120.0)))
 
 
-def placement(cfg: dict[str, Any]) -> dict[str, Any]:
-    """Actor options for `ray.placement`: "spread" spreads the job's actors over the cluster's
-    nodes (Ray's SPREAD strategy); null leaves placement to Ray (packs them)."""
-    how = (cfg.get("ray") or {}).get("placement")
-    if how in (None, "", "default"):
-        return {}
-    if how == "spread":
-        return {"scheduling_strategy": "SPREAD"}
-    raise ValueError(f"ray.placement must be null or 'spread', got {how!r}")
-
-
 def recoverable(e: BaseException) -> bool:
     """An actor, worker or node of the job is gone (not a bug in the job's code)."""
     return is_lost(e) or bool(getattr(e, "lost", None))
