@@ -220,7 +220,7 @@ def test_grpo_recovers_from_a_lost_node_bitwise(nodes, reference, s3_folder, tmp
     job = grpo(run_dir, overrides, s3_folder.server.env(), str(tmp_path / "run.log"))
     assert chaos.wait_until(job, lambda: chaos.metrics_lines(run_dir) >= after, JOB_S, 0.01)
     time.sleep(delay)
-    victim = cu.busiest_worker(nodes)  # SPREAD puts some of the job's actors on a worker
+    victim = cu.busiest_worker(nodes)  # spread: the job's actors are dealt over all 3 nodes
     assert victim is not None
     nodes.remove(victim)  # mid-run: its raylet and every process on it are killed
     try:
@@ -251,7 +251,7 @@ def test_async_grpo_recovers_from_a_node_lost_mid_generation_bitwise(
                  f"checkpoint.folder={s3_folder.url}", RECOVERY]  # fmt: skip
     job = chaos.Job(ASYNC_CONFIG, run_dir, overrides, s3_folder.server.env(), str(tmp_path / "log"))
     assert chaos.wait_until(job, lambda: chaos.metrics_lines(run_dir) >= after, JOB_S, 0.01)
-    victim = cu.worker_of(nodes, "Generator")  # SPREAD puts some of the 3 on a worker
+    victim = cu.worker_of(nodes, "Generator")  # spread: the 3 are dealt one per node
     assert victim is not None, "no generator was placed on a worker node"
     print(f"removing {victim} (holds a generator) after step {after}'s line")
     nodes.remove(victim)  # its raylet and every process on it are killed, mid-generation
