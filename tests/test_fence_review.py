@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import os
 import threading
 from typing import Any
@@ -345,6 +346,40 @@ async def test_a_damaged_lease_is_a_corrupt_lease_not_a_take_over(tmp_path):
             job(tmp_path, clock, "host-c", lease_ttl_s=30.0, keep_last=None)
     finally:
         b.close()
+
+
+async def _two_steps(tmp_path: Any) -> Any:
+    """A folder with steps 1 and 2 committed by a job now closed; its lease file."""
+    b = job(tmp_path, Clock(), "host-b", lease_ttl_s=30.0, keep_last=None)
+    b.register("c0", Handle(Comp(101)))
+    try:
+        for step in (1, 2):
+            assert (await b.save(step)).committed
+    finally:
+        b.close()
+    assert layout.committed_steps(str(tmp_path)) == [1, 2]
+    return tmp_path / ".forge_ckpt.lease"
+
+
+async def test_a_damaged_checksum_key_does_not_switch_the_check_off(tmp_path):
+    """Review 38: the lease's CRC32C was checked only where its key was present (a lease of
+    0.1.0 has none), so one damaged byte in the key's name, plus an edit of the commit record,
+    hid a committed step without an error. A lease without the key may now hold only 0.1.0's
+    fields: this one is refused, naming the fields that give it away."""
+    lease = await _two_steps(tmp_path)
+    fields = json.loads(lease.read_text().replace('"crc32c"', '"crc32b"'))
+    del fields["committed"]["2"]
+    lease.write_text(json.dumps(fields))
+    with pytest.raises(CheckpointLeaseCorruptError, match=r"no checksum.*committed, crc32b"):
+        layout.committed_steps(str(tmp_path))
+
+
+async def test_a_lease_of_release_0_1_0_still_reads(tmp_path):
+    """0.1.0 wrote its lease without a checksum or a commit record: every COMMIT counts."""
+    lease = await _two_steps(tmp_path)
+    fields = json.loads(lease.read_text())
+    lease.write_text(json.dumps({k: fields[k] for k in lease_record.UNSEALED_FIELDS}))
+    assert layout.committed_steps(str(tmp_path)) == [1, 2]
 
 
 def _slow_renewal_gate(op: str, key: str, mutates: bool) -> str:

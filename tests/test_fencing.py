@@ -21,7 +21,7 @@ from typer.testing import CliRunner
 
 from forge_ckpt.cli import app
 from forge_ckpt.errors import CheckpointCorruptError, CheckpointError, CheckpointLockedError
-from forge_ckpt.steps import layout
+from forge_ckpt.steps import layout, lease_record
 from forge_ckpt.steps.commit import commit_step, prepare_step, remove_step, remove_uncommitted
 from forge_ckpt.steps.lock import Lease, _boot_id, _pid_ns
 from forge_ckpt.storage import PreconditionFailedError, Storage, crc32c_of_bytes, open_storage
@@ -322,8 +322,8 @@ def write_lease(folder: str, clock: Clock, **changes: Any) -> None:
         "generation": 3, "released": False, "committed": {},
     }  # fmt: skip
     lease.update(changes)
-    with open(os.path.join(folder, layout.LEASE), "w") as f:
-        json.dump(lease, f)
+    with open(os.path.join(folder, layout.LEASE), "wb") as f:
+        f.write(lease_record.seal_lease(lease))
 
 
 @pytest.mark.parametrize(

@@ -11,6 +11,14 @@ from typing import Any
 from ..errors import CheckpointLeaseCorruptError
 from ..storage import crc32c_of_bytes
 
+# The fields of the one lease written without a checksum (release 0.1.0, which had no commit
+# record either). A lease without `crc32c` may hold only these: any other field (a commit
+# record, or the checksum's own key with a damaged byte) means the checksum's key was damaged.
+UNSEALED_FIELDS = frozenset(
+    {"owner", "host", "pid", "pid_start", "started", "renewed", "expires", "generation",
+     "released"}
+)  # fmt: skip
+
 
 def seal_lease(body: Mapping[str, Any]) -> bytes:
     """The lease object's bytes: its fields, then the CRC32C of their JSON (one damaged byte
@@ -20,8 +28,9 @@ def seal_lease(body: Mapping[str, Any]) -> bytes:
 
 
 def parse_lease(data: bytes | bytearray, where: str) -> dict[str, Any]:
-    """A lease object's fields; CheckpointLeaseCorruptError if it does not parse, or its
-    CRC32C (written since the lease has one) does not match, or its record is malformed."""
+    """A lease object's fields; CheckpointLeaseCorruptError if it does not parse, its CRC32C
+    does not match, it has none but fields that came with it (`UNSEALED_FIELDS`: a damaged
+    key must not switch the check off), or its record is malformed."""
     try:
         lease = json.loads(data)
     except ValueError as e:
@@ -29,6 +38,11 @@ def parse_lease(data: bytes | bytearray, where: str) -> dict[str, Any]:
     if not isinstance(lease, dict):
         raise CheckpointLeaseCorruptError(where, "not a JSON object")
     crc = lease.pop("crc32c", None)
+    if crc is None and not UNSEALED_FIELDS.issuperset(lease):
+        extra = ", ".join(sorted(set(lease) - UNSEALED_FIELDS))
+        raise CheckpointLeaseCorruptError(
+            where, f"it has no checksum, yet fields only a checksummed lease has ({extra})"
+        )
     if crc is not None and crc != crc32c_of_bytes(json.dumps(lease).encode()):
         raise CheckpointLeaseCorruptError(where, "its checksum does not match its content")
     if "committed" in lease and parse_record(lease) is None:
