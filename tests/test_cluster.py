@@ -27,7 +27,7 @@ import pytest
 import ray
 
 from apps.grpo import chaos
-from apps.grpo.placement import Placement
+from apps.grpo.placement import SLIVER, Placement, spread_nodes
 from forge_ckpt import (
     CheckpointConfig,
     CheckpointCoordinator,
@@ -177,25 +177,52 @@ def same_run(run_dir: str, ref: str) -> None:
     assert read(os.path.join(run_dir, chaos.WEIGHTS)) == read(os.path.join(ref, chaos.WEIGHTS))
 
 
-def test_spread_deals_actors_over_the_live_nodes_and_skips_a_dead_one(nodes):
+def test_spread_deals_actors_over_the_live_nodes_around_a_full_or_dead_one(nodes):
     """`ray.placement=spread` (apps/grpo/placement.py): 3 consecutive actors land on the 3
     nodes. (Ray's SPREAD put the job's zero-CPU actors on random nodes: all 3 generator
-    replicas of the lost-generator test below sat on the head one run in 27.) A node that dies
-    after it was dealt out does not hold up the actor dealt to it: Ray places it elsewhere."""
-    place, late = Placement({"ray": {"placement": "spread"}}), []
-    first = [cu.Buffer.options(**place()).remote(k) for k in range(3)]
-    assert sorted(map(cu.node_of, first)) == ["head", "node_a", "node_b"]
-    nodes.remove("node_a")  # its id is still in `place`: the next 3 include one dealt to it
+    replicas of the lost-generator test below sat on the head one run in 27.) An actor dealt
+    to a node whose CPU is all taken goes to another node instead of waiting for it (review
+    39: forever); so does one dealt to a node that died after it was dealt out."""
+    place, actors = Placement({"ray": {"placement": "spread"}}), []
     try:
+        actors = [cu.Buffer.options(**place()).remote(k) for k in range(3)]
+        assert sorted(map(started_on, actors)) == ["head", "node_a", "node_b"]
+        rest = 1 - SLIVER  # node_b has 1 CPU, and the sliver of the actor dealt to it
+        actors.append(cu.Buffer.options(num_cpus=rest, resources={"node_b": 0.01}).remote(9))
+        assert started_on(actors[-1]) == "node_b"  # node_b's CPU is all taken
+        around_full = [cu.Buffer.options(**place()).remote(k) for k in range(3)]
+        actors += around_full
+        assert sorted(set(map(started_on, around_full))) == ["head", "node_a"]
+        nodes.remove("node_a")  # its id is still in `place`: the next 3 include one dealt to it
         late = [cu.Buffer.options(**place()).remote(k) for k in range(3)]
-        assert sorted(map(cu.node_of, late)) in (
-            ["head", "head", "node_b"],
-            ["head", "node_b", "node_b"],
-        )
+        actors += late
+        assert set(map(started_on, late)) == {"head"}  # node_b is still full
     finally:
-        for a in first + late:
+        for a in actors:
             ray.kill(a)
         nodes.restore()
+
+
+def started_on(actor) -> str:
+    """The node an actor started on; a bound only a hang reaches (a never-placed actor)."""
+    where = actor.__ray_call__.remote(lambda self: os.environ["NODE_SCRATCH"])
+    return os.path.basename(ray.get(where, timeout=cu.HANG_S))
+
+
+def test_spread_skips_the_nodes_that_cannot_take_an_actor():
+    """A dead node and a node without a CPU (a head started with num_cpus=0, as clusters
+    often are) are not dealt to; with no node left, Ray places the actors (a sliver of a CPU
+    fits nowhere: they would never start)."""
+    listed = [
+        {"NodeID": "c", "Alive": True, "Resources": {"CPU": 1.0, "node:c": 1.0}},
+        {"NodeID": "a", "Alive": True, "Resources": {"memory": 1e9}},
+        {"NodeID": "b", "Alive": False, "Resources": {"CPU": 4.0}},
+        {"NodeID": "d", "Alive": True, "Resources": {"CPU": 0.5}},
+    ]
+    assert spread_nodes(listed) == ["c", "d"]
+    assert spread_nodes(listed[1:3]) == []
+    place = Placement({"ray": {"placement": None}})
+    assert place() == {} and place.nodes == []
 
 
 @pytest.fixture

@@ -362,20 +362,25 @@ async def _two_steps(tmp_path: Any) -> Any:
 
 
 async def test_a_damaged_checksum_key_does_not_switch_the_check_off(tmp_path):
-    """Review 38: the lease's CRC32C was checked only where its key was present (a lease of
-    0.1.0 has none), so one damaged byte in the key's name, plus an edit of the commit record,
-    hid a committed step without an error. A lease without the key may now hold only 0.1.0's
-    fields: this one is refused, naming the fields that give it away."""
+    """Review 38: the lease's CRC32C was checked only where its key was present (the first
+    leases had none), so one damaged byte in the key's name, plus an edit of the commit
+    record, hid a committed step without an error. A lease without the key must now be
+    exactly such a first lease: this one is refused, naming the fields that give it away."""
     lease = await _two_steps(tmp_path)
     fields = json.loads(lease.read_text().replace('"crc32c"', '"crc32b"'))
     del fields["committed"]["2"]
     lease.write_text(json.dumps(fields))
     with pytest.raises(CheckpointLeaseCorruptError, match=r"no checksum.*committed, crc32b"):
         layout.committed_steps(str(tmp_path))
+    for fields in ({}, {"generation": 9}):  # review 39: a part of the old lease is damage too
+        lease.write_text(json.dumps(fields))
+        with pytest.raises(CheckpointLeaseCorruptError, match=r"missing: expires"):
+            layout.committed_steps(str(tmp_path))
 
 
-async def test_a_lease_of_release_0_1_0_still_reads(tmp_path):
-    """0.1.0 wrote its lease without a checksum or a commit record: every COMMIT counts."""
+async def test_a_lease_from_before_the_checksum_still_reads(tmp_path):
+    """The lease as first written (2026-11-23) had no checksum and no commit record: every
+    COMMIT of its folder counts."""
     lease = await _two_steps(tmp_path)
     fields = json.loads(lease.read_text())
     lease.write_text(json.dumps({k: fields[k] for k in lease_record.UNSEALED_FIELDS}))

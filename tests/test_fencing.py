@@ -266,15 +266,16 @@ def test_a_late_commit_of_an_older_generation_under_a_recorded_step_does_not_cou
 
 
 def test_a_lease_without_a_record_accepts_every_commit_present(tmp_path):
-    """A folder of an earlier release (its lease has no record): every COMMIT counts, for
-    readers and for the job that takes it over."""
+    """A folder of the first version with a lease (no record, no checksum: the fields of
+    `lease_record.UNSEALED_FIELDS`): every COMMIT counts, for readers and for the job that
+    takes it over."""
     folder = str(tmp_path)
     store = open_storage(folder)
     for step in (1, 2):
         commit_step(store, write_step(store, None, step, "old"))
     now = Clock().now
-    old = {"owner": "o", "host": "h", "pid": 1, "started": now, "expires": now - 60,
-           "generation": 7, "released": False}  # fmt: skip
+    old = {"owner": "o", "host": "h", "pid": 1, "pid_start": "1", "started": now,
+           "renewed": now - 120, "expires": now - 60, "generation": 7, "released": False}  # fmt: skip
     with open(os.path.join(folder, layout.LEASE), "w") as f:
         json.dump(old, f)
     assert layout.committed_steps(folder) == [1, 2]

@@ -11,9 +11,10 @@ from typing import Any
 from ..errors import CheckpointLeaseCorruptError
 from ..storage import crc32c_of_bytes
 
-# The fields of the one lease written without a checksum (release 0.1.0, which had no commit
-# record either). A lease without `crc32c` may hold only these: any other field (a commit
-# record, or the checksum's own key with a damaged byte) means the checksum's key was damaged.
+# The fields of the lease as first written (2026-11-23, before the commit record and the
+# checksum existed; every such lease has all of them). A lease without `crc32c` must be
+# exactly that: any other field (a commit record, or the checksum's own key with a damaged
+# byte) or a missing one means damage, never "a lease of an earlier version".
 UNSEALED_FIELDS = frozenset(
     {"owner", "host", "pid", "pid_start", "started", "renewed", "expires", "generation",
      "released"}
@@ -29,8 +30,9 @@ def seal_lease(body: Mapping[str, Any]) -> bytes:
 
 def parse_lease(data: bytes | bytearray, where: str) -> dict[str, Any]:
     """A lease object's fields; CheckpointLeaseCorruptError if it does not parse, its CRC32C
-    does not match, it has none but fields that came with it (`UNSEALED_FIELDS`: a damaged
-    key must not switch the check off), or its record is malformed."""
+    does not match, it has none but is not a lease of the version before checksums
+    (`UNSEALED_FIELDS`: a damaged key must not switch the check off), or its record is
+    malformed."""
     try:
         lease = json.loads(data)
     except ValueError as e:
@@ -38,10 +40,13 @@ def parse_lease(data: bytes | bytearray, where: str) -> dict[str, Any]:
     if not isinstance(lease, dict):
         raise CheckpointLeaseCorruptError(where, "not a JSON object")
     crc = lease.pop("crc32c", None)
-    if crc is None and not UNSEALED_FIELDS.issuperset(lease):
-        extra = ", ".join(sorted(set(lease) - UNSEALED_FIELDS))
+    if crc is None and set(lease) != UNSEALED_FIELDS:
+        extra, missing = sorted(set(lease) - UNSEALED_FIELDS), sorted(UNSEALED_FIELDS - set(lease))
         raise CheckpointLeaseCorruptError(
-            where, f"it has no checksum, yet fields only a checksummed lease has ({extra})"
+            where,
+            "it has no checksum, and is not a lease of the version before checksums "
+            f"(fields it should not have: {', '.join(extra) or 'none'}; "
+            f"missing: {', '.join(missing) or 'none'})",
         )
     if crc is not None and crc != crc32c_of_bytes(json.dumps(lease).encode()):
         raise CheckpointLeaseCorruptError(where, "its checksum does not match its content")
