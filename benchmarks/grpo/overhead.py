@@ -201,11 +201,13 @@ def _verdict(res: dict[str, Any]) -> list[str]:
                 for k in (*STEP_KINDS, "trainer")}  # fmt: skip
         longer = res["median_step_s"]["memory, deferred"] - res["median_step_s"]["off"]
         extra += (
-            f" The step is {longer * 1e3:.0f} ms longer with deferred saves; in it, the "
-            f"driver and the other actors (the policy's generation among them) waited for a "
-            f"CPU {sum(more[k] for k in STEP_KINDS) * 1e3:.0f} ms more per step, and the "
-            f"trainer's threads {more['trainer'] * 1e3:.0f} ms more (its save's own thread "
-            "among them); `save()` itself blocks a few ms (next section)."
+            f" The step is {longer * 1e3:.0f} ms longer with deferred saves; the threads of "
+            f"the driver and the other actors (the policy's generation among them) waited for "
+            f"a CPU {sum(more[k] for k in STEP_KINDS) * 1e3:.0f} ms more per step, and the "
+            f"trainer's {more['trainer'] * 1e3:.0f} ms more (its save's own thread among "
+            "them). That is summed over threads that wait side by side (Ray's own threads in "
+            "each process among them): it shows the contention, not the step's added time. "
+            "`save()` itself blocks a few ms (next section)."
         )
     verdict = "**Met**" if over <= 0.15 else "**Missed** on this machine (target: deferred <= +15%)"
     return [
