@@ -52,11 +52,7 @@ class AsyncJob:
         from .trainer import Trainer
 
         seed, task, model, pol = int(cfg["seed"]), cfg["task"], cfg["model"], cfg["policy"]
-        place = Placement(cfg)  # ray.placement: each call places the next actor
-
-        def opts() -> dict[str, Any]:
-            return {"num_cpus": 0, **place()}  # spread: a sliver of a CPU (placement.py)
-
+        opts = Placement(cfg).actor_options  # ray.placement: each call places the next actor
         self.batch, self.group = int(cfg["dataset"]["batch_size"]), int(pol["group_size"])
         self.lag = int(pol["max_policy_lag"])
         self.vocab, self.prompt_width = Vocab(task["alphabet"]), shapes(task)[0]

@@ -105,11 +105,7 @@ class Job:
         from .trainer import Trainer
 
         seed, task, model = int(cfg["seed"]), cfg["task"], cfg["model"]
-        place = Placement(cfg)  # ray.placement: each call places the next actor
-
-        def opts() -> dict[str, Any]:
-            return {"num_cpus": 0, **place()}  # spread: a sliver of a CPU (placement.py)
-
+        opts = Placement(cfg).actor_options  # ray.placement: each call places the next actor
         batch, replicas = int(cfg["dataset"]["batch_size"]), int(cfg["dataset"]["replicas"])
         dataset_cls = ray.remote(DatasetActor)
         self.datasets = [  # one component; each replica serves batch/replicas prompts a step

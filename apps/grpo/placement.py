@@ -45,6 +45,11 @@ class Placement:
         pin = NodeAffinitySchedulingStrategy(node, soft=True, _spill_on_unavailable=True)
         return {"num_cpus": SLIVER, "scheduling_strategy": pin}
 
+    def actor_options(self) -> dict[str, Any]:
+        """The next actor's options for this job's actors: 0 CPUs in Ray's accounting (one
+        torch thread each), or the sliver of a spread actor."""
+        return {"num_cpus": 0, **self()}
+
 
 def spread_nodes(nodes: list[dict[str, Any]]) -> list[str]:
     """The ids of the live nodes (as `ray.nodes()` lists them) that can take a spread actor,
